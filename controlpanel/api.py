@@ -1,0 +1,218 @@
+"""The admin and worker-agent JSON API (django-ninja, docs at /api/docs). Thin: each
+endpoint authenticates, calls one service and shapes the answer."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
+from ninja import NinjaAPI, Schema
+from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.security import HttpBearer, django_auth_is_staff
+
+from controlpanel import services
+from controlpanel.models import Worker
+
+api = NinjaAPI(
+    title="vLLM Control Panel API",
+    version="1",
+    description="Manage the workers behind the router. Admin calls take "
+    "`Authorization: Bearer $CONTROLPANEL_ADMIN_TOKEN` or a staff session; agent calls take "
+    "`Authorization: Bearer $CONTROLPANEL_WORKER_TOKEN`.",
+    urls_namespace="api",
+)
+
+
+class _TokenBearer(HttpBearer):
+    setting = ""
+
+    def authenticate(self, request: HttpRequest, token: str) -> str | None:
+        expected: str = getattr(settings, self.setting)
+        if expected and secrets.compare_digest(token.encode(), expected.encode()):
+            return self.setting
+        return None
+
+
+class AdminToken(_TokenBearer):
+    setting = "CONTROLPANEL_ADMIN_TOKEN"
+
+
+class WorkerToken(_TokenBearer):
+    setting = "CONTROLPANEL_WORKER_TOKEN"
+
+
+ADMIN_AUTH = [AdminToken(), django_auth_is_staff]
+AGENT_AUTH = [WorkerToken()]
+
+
+def _actor(request: HttpRequest) -> str:
+    user = getattr(request, "user", None)
+    if user is not None and user.is_authenticated:
+        return f"user:{user.get_username()}"
+    return "admin-token"
+
+
+# --- errors in the OpenAI shape, like the router's ------------------------------------------
+
+
+def _error(request: HttpRequest, status: int, message: str, kind: str) -> HttpResponse:
+    return api.create_response(
+        request,
+        {"error": {"message": message, "type": kind, "param": None, "code": status}},
+        status=status,
+    )
+
+
+@api.exception_handler(services.ServiceError)
+def _service_error(request: HttpRequest, exc: services.ServiceError) -> HttpResponse:
+    return _error(request, exc.status, str(exc), type(exc).__name__)
+
+
+@api.exception_handler(Worker.DoesNotExist)
+def _no_worker(request: HttpRequest, exc: Exception) -> HttpResponse:
+    return _error(request, 404, "no such worker; register again", "NotFoundError")
+
+
+@api.exception_handler(ValidationError)
+def _invalid(request: HttpRequest, exc: ValidationError) -> HttpResponse:
+    details = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors
+    )
+    return _error(request, 422, f"invalid request: {details}", "ValidationError")
+
+
+@api.exception_handler(AuthenticationError)
+def _unauthenticated(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
+    return _error(request, 401, "missing or wrong credentials", "AuthenticationError")
+
+
+@api.exception_handler(HttpError)
+def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    return _error(request, exc.status_code, str(exc), "HttpError")
+
+
+# --- schemas ----------------------------------------------------------------------------
+
+
+class ModelOut(Schema):
+    id: str
+    parent: str | None = None
+
+
+class WorkerOut(Schema):
+    id: int
+    name: str
+    url: str
+    state: str
+    source: str
+    models: list[ModelOut]
+    queue_length: int | None
+    last_heartbeat: datetime | None
+    heartbeat_age_s: float | None
+    created_at: datetime
+    updated_at: datetime
+
+    @staticmethod
+    def resolve_heartbeat_age_s(obj: Worker) -> float | None:
+        age = obj.heartbeat_age(timezone.now())
+        return None if age is None else round(age, 3)
+
+
+class WorkerIn(Schema):
+    url: str
+    name: str = ""
+
+
+class RegisterIn(Schema):
+    url: str
+    name: str = ""
+    # Bare names or vLLM /v1/models entries; absent means "ask the server itself".
+    models: list[str | dict[str, Any]] | None = None
+
+
+class RegisterOut(Schema):
+    id: int
+    heartbeat_interval: int
+
+
+class HeartbeatIn(Schema):
+    queue_length: int | None = None
+
+
+class HeartbeatOut(Schema):
+    id: int
+    state: str
+    heartbeat_interval: int
+
+
+# --- admin endpoints ----------------------------------------------------------------------
+
+
+@api.get("/workers", response=list[WorkerOut], auth=ADMIN_AUTH, tags=["workers"])
+def workers_list(request: HttpRequest) -> Any:
+    return Worker.objects.all()
+
+
+@api.post("/workers", response={201: WorkerOut}, auth=ADMIN_AUTH, tags=["workers"])
+def workers_add(request: HttpRequest, payload: WorkerIn) -> Any:
+    worker = services.worker_add(url=payload.url, name=payload.name, actor=_actor(request))
+    return 201, worker
+
+
+@api.get("/workers/{worker_id}", response=WorkerOut, auth=ADMIN_AUTH, tags=["workers"])
+def workers_get(request: HttpRequest, worker_id: int) -> Any:
+    return Worker.objects.get(pk=worker_id)
+
+
+@api.post("/workers/{worker_id}/drain", response=WorkerOut, auth=ADMIN_AUTH, tags=["workers"])
+def workers_drain(request: HttpRequest, worker_id: int) -> Any:
+    return services.worker_drain(worker_id=worker_id, actor=_actor(request))
+
+
+@api.post("/workers/{worker_id}/activate", response=WorkerOut, auth=ADMIN_AUTH, tags=["workers"])
+def workers_activate(request: HttpRequest, worker_id: int) -> Any:
+    return services.worker_activate(worker_id=worker_id, actor=_actor(request))
+
+
+@api.delete("/workers/{worker_id}", response={204: None}, auth=ADMIN_AUTH, tags=["workers"])
+def workers_remove(request: HttpRequest, worker_id: int) -> Any:
+    services.worker_remove(worker_id=worker_id, actor=_actor(request))
+    return 204, None
+
+
+# --- agent endpoints ----------------------------------------------------------------------
+
+
+@api.post("/workers/register", response=RegisterOut, auth=AGENT_AUTH, tags=["agent"])
+def workers_register(request: HttpRequest, payload: RegisterIn) -> Any:
+    worker = services.worker_register(url=payload.url, models=payload.models, name=payload.name)
+    return {"id": worker.pk, "heartbeat_interval": settings.CONTROLPANEL_HEARTBEAT_INTERVAL}
+
+
+@api.post(
+    "/workers/{worker_id}/heartbeat", response=HeartbeatOut, auth=AGENT_AUTH, tags=["agent"]
+)
+def workers_heartbeat(request: HttpRequest, worker_id: int, payload: HeartbeatIn) -> Any:
+    if payload.queue_length is not None and payload.queue_length < 0:
+        raise HttpError(422, "queue_length cannot be negative")
+    worker = services.worker_heartbeat(worker_id=worker_id, queue_length=payload.queue_length)
+    return {
+        "id": worker.pk,
+        "state": worker.state,
+        "heartbeat_interval": settings.CONTROLPANEL_HEARTBEAT_INTERVAL,
+    }
+
+
+@api.post("/workers/{worker_id}/deregister", response=HeartbeatOut, auth=AGENT_AUTH, tags=["agent"])
+def workers_deregister(request: HttpRequest, worker_id: int) -> Any:
+    """An agent whose server is shutting down drains it, so no new request is lost."""
+    worker = services.worker_drain(worker_id=worker_id, actor="agent")
+    return {
+        "id": worker.pk,
+        "state": worker.state,
+        "heartbeat_interval": settings.CONTROLPANEL_HEARTBEAT_INTERVAL,
+    }

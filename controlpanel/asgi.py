@@ -1,0 +1,86 @@
+"""The one ASGI application: the bare router for /v1 and seed paths, Django for the rest,
+Channels for websockets, and a lifespan that owns the router's session and refresher."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlpanel.settings")
+django_app = get_asgi_application()
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402 - needs Django set up first
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.conf import settings  # noqa: E402
+
+from controlpanel.selectors import DatabaseSnapshotSource  # noqa: E402
+from routing.proxy import Receive, RouterApp, RouterConfig, Scope, Send, routes_here  # noqa: E402
+from routing.refresher import SnapshotRefresher  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+websocket_urlpatterns: list[Any] = []
+
+
+def router_config() -> RouterConfig:
+    return RouterConfig(
+        connect_timeout=settings.ROUTER_CONNECT_TIMEOUT,
+        read_timeout=settings.ROUTER_READ_TIMEOUT,
+        max_body_bytes=settings.MAX_BODY_BYTES,
+        max_connections=settings.ROUTER_MAX_CONNECTIONS,
+        max_connections_per_worker=settings.ROUTER_MAX_CONNECTIONS_PER_WORKER,
+    )
+
+
+class ControlPanelApp:
+    """Path dispatch ahead of Django: router paths never touch Django's middleware."""
+
+    def __init__(self) -> None:
+        self.router = RouterApp(router_config())
+        self.refresher = SnapshotRefresher(
+            self.router,
+            DatabaseSnapshotSource(),
+            poll_interval=settings.ROUTER_SNAPSHOT_POLL_SECONDS,
+        )
+        self.channels = ProtocolTypeRouter(
+            {
+                "http": django_app,
+                "websocket": AllowedHostsOriginValidator(
+                    AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
+                ),
+            }
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http" and routes_here(scope["path"]):
+            await self.router(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            await self.channels(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.router.startup()
+                    await self.refresher.start()
+                except Exception as exc:
+                    log.exception("router start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.refresher.stop()
+                await self.router.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+application = ControlPanelApp()

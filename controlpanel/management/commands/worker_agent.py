@@ -1,0 +1,38 @@
+import logging
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandParser
+
+from controlpanel.agent import Agent
+
+
+class Command(BaseCommand):
+    help = "Run beside a vLLM server: register it, heartbeat, drain it on SIGTERM."
+    requires_system_checks: list[str] = []
+    requires_migrations_checks = False
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--controller", required=True, help="the control panel's URL")
+        parser.add_argument("--worker-url", required=True, help="the vLLM server's URL")
+        parser.add_argument("--name", default="", help="display name (default: host:port)")
+        parser.add_argument(
+            "--interval", type=float, default=None, help="seconds between heartbeats"
+        )
+        parser.add_argument(
+            "--token",
+            default=None,
+            help="worker token (default: $CONTROLPANEL_WORKER_TOKEN)",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s agent: %(message)s")
+        agent = Agent(
+            controller=options["controller"],
+            worker_url=options["worker_url"],
+            token=options["token"] or settings.CONTROLPANEL_WORKER_TOKEN,
+            name=options["name"],
+            interval=options["interval"],
+        )
+        agent.install_signal_handlers()
+        agent.run()

@@ -1,0 +1,104 @@
+"""Read queries, chiefly the one that turns the registry into the router's snapshot."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+from functools import wraps
+from typing import Any, ParamSpec, TypeVar
+
+from django.conf import settings
+from django.db import DatabaseError, close_old_connections, connection
+from django.utils import timezone
+
+from controlpanel import services
+from controlpanel.models import RoutingGeneration, ServedModel, Worker, WorkerState
+from routing.snapshot import ModelEntry, ServedModelInfo, Snapshot, WorkerView, build_snapshot
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def worker_view(worker: Worker, *, now: datetime) -> WorkerView:
+    routable = worker.state == WorkerState.ACTIVE and not worker.heartbeat_expired(
+        settings.CONTROLPANEL_HEARTBEAT_EXPIRY, now
+    )
+    return WorkerView(
+        id=worker.pk,
+        name=worker.name,
+        url=worker.url,
+        state=worker.state,
+        source=worker.source,
+        models=tuple(_model_entry(m) for m in worker.models),
+        queue_length=worker.queue_length,
+        last_heartbeat=worker.last_heartbeat.timestamp() if worker.last_heartbeat else None,
+        routable=routable,
+    )
+
+
+def _model_entry(raw: dict[str, Any]) -> ModelEntry:
+    return ModelEntry(
+        id=raw["id"],
+        parent=raw.get("parent"),
+        root=raw.get("root"),
+        max_model_len=raw.get("max_model_len"),
+        created=raw.get("created"),
+    )
+
+
+def routing_snapshot_build() -> Snapshot:
+    generation = RoutingGeneration.current()
+    now = timezone.now()
+    workers = [worker_view(w, now=now) for w in Worker.objects.all()]
+    served = [
+        ServedModelInfo(name=m.name, policy=m.policy, policy_config=m.policy_config)
+        for m in ServedModel.objects.all()
+    ]
+    return build_snapshot(
+        workers=workers, served_models=served, generation=generation, now=now.timestamp()
+    )
+
+
+def _fresh_connection(func: Callable[P, T]) -> Callable[P, T]:
+    """The refresher's thread lives as long as the router: drop a connection the database
+    closed (restart, idle timeout) so the next call reconnects by itself."""
+
+    @wraps(func)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        close_old_connections()
+        try:
+            return func(*args, **kwargs)
+        except DatabaseError:
+            connection.close()
+            raise
+
+    return wrapper
+
+
+class DatabaseSnapshotSource:
+    """What routing.refresher needs from the control plane, backed by the ORM."""
+
+    @_fresh_connection
+    def generation(self) -> int:
+        return RoutingGeneration.current()
+
+    @_fresh_connection
+    def load(self) -> Snapshot:
+        return routing_snapshot_build()
+
+    @_fresh_connection
+    def report(
+        self, *, instance_id: str, hostname: str, pid: int, started_at: float,
+        inflight: dict[int, int],
+    ) -> None:
+        services.router_report(
+            instance_id=instance_id,
+            hostname=hostname,
+            pid=pid,
+            started_at=datetime.fromtimestamp(started_at, tz=UTC),
+            inflight=inflight,
+        )
+
+    @_fresh_connection
+    def forget(self, *, instance_id: str) -> None:
+        services.router_forget(instance_id=instance_id)

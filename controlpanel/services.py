@@ -1,0 +1,407 @@
+"""Business logic of the registry, shared by the API, the admin, commands and tasks.
+
+Every function that changes what the router must see bumps RoutingGeneration in the same
+transaction, so routers pick the change up on their next poll (well under a second).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.db import transaction
+from django.utils import timezone
+
+from controlpanel.models import (
+    Event,
+    EventKind,
+    RouterInstance,
+    RoutingGeneration,
+    ServedModel,
+    Worker,
+    WorkerSource,
+    WorkerState,
+    normalize_worker_url,
+)
+
+log = logging.getLogger(__name__)
+
+# A router that has not reported for this long is presumed gone: its in-flight counts no
+# longer hold a drain open.
+ROUTER_LIVENESS = timedelta(seconds=15)
+
+
+class ServiceError(Exception):
+    """A refusal with a message meant for the person or agent that asked."""
+
+    status = 400
+
+
+class InvalidWorkerURL(ServiceError):
+    status = 422
+
+
+class WorkerUnreachable(ServiceError):
+    status = 422
+
+
+class NotAVllmServer(ServiceError):
+    status = 422
+
+
+class WorkerAlreadyExists(ServiceError):
+    status = 409
+
+
+class InvalidTransition(ServiceError):
+    status = 409
+
+
+# --- discovery ---------------------------------------------------------------------------
+
+
+def discover_models(*, url: str) -> list[dict[str, Any]]:
+    """Ask a server's /v1/models what it serves, refusing anything that is not vLLM-like."""
+    endpoint = f"{url}/v1/models"
+    try:
+        response = httpx.get(endpoint, timeout=settings.CONTROLPANEL_DISCOVERY_TIMEOUT)
+    except httpx.HTTPError as exc:
+        raise WorkerUnreachable(f"cannot reach {endpoint}: {exc}") from exc
+    if response.status_code != 200:
+        raise NotAVllmServer(f"{endpoint} answered HTTP {response.status_code}, not a model list")
+    try:
+        return parse_model_list(response.json())
+    except (ValueError, TypeError, KeyError) as exc:
+        raise NotAVllmServer(f"{endpoint} did not return an OpenAI model list: {exc}") from exc
+
+
+def parse_model_list(payload: Any) -> list[dict[str, Any]]:
+    """Keep what routing needs from vLLM's list, in its order, one entry per id."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("data"), list):
+        raise ValueError("expected {'object': 'list', 'data': [...]}")
+    seen: dict[str, dict[str, Any]] = {}
+    for entry in payload["data"]:
+        model_id = entry["id"]
+        if not isinstance(model_id, str) or not model_id:
+            raise ValueError(f"bad model id {model_id!r}")
+        seen.setdefault(model_id, _model_entry(entry))
+    if not seen:
+        raise ValueError("the server lists no model")
+    return list(seen.values())
+
+
+def _model_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": entry["id"],
+        "parent": entry.get("parent"),
+        "root": entry.get("root"),
+        "max_model_len": entry.get("max_model_len"),
+        "created": entry.get("created"),
+    }
+
+
+def models_from_agent(names_or_entries: Iterable[Any]) -> list[dict[str, Any]]:
+    """An agent may send bare names or vLLM entries; both become vLLM entries."""
+    entries = [
+        {"id": item} if isinstance(item, str) else dict(item) for item in names_or_entries
+    ]
+    return parse_model_list({"data": entries})
+
+
+# --- events --------------------------------------------------------------------------------
+
+
+def event_record(
+    *, kind: str, worker: Worker | None, message: str, actor: str, data: dict[str, Any] | None = None
+) -> Event:
+    return Event.objects.create(
+        kind=kind,
+        worker=worker,
+        subject=worker.url if worker else "",
+        message=message,
+        actor=actor,
+        data=data or {},
+    )
+
+
+# --- worker lifecycle ----------------------------------------------------------------------
+
+
+def _normalized(url: str) -> str:
+    try:
+        return normalize_worker_url(url)
+    except ValueError as exc:
+        raise InvalidWorkerURL(str(exc)) from exc
+
+
+def _default_name(url: str) -> str:
+    return url.split("://", 1)[1]
+
+
+def _ensure_served_models(entries: list[dict[str, Any]]) -> None:
+    for entry in entries:
+        ServedModel.objects.get_or_create(name=entry["id"])
+
+
+def worker_add(*, url: str, name: str = "", actor: str) -> Worker:
+    """An operator adds a server by URL; its models are discovered, never typed in."""
+    normalized = _normalized(url)
+    if Worker.objects.filter(url=normalized).exists():
+        raise WorkerAlreadyExists(f"a worker with URL {normalized} is already registered")
+    entries = discover_models(url=normalized)
+    with transaction.atomic():
+        worker = Worker.objects.create(
+            url=normalized,
+            name=name or _default_name(normalized),
+            source=WorkerSource.OPERATOR,
+            models=entries,
+        )
+        _ensure_served_models(entries)
+        event_record(
+            kind=EventKind.WORKER_JOINED,
+            worker=worker,
+            message=f"added with models {', '.join(worker.model_ids)}",
+            actor=actor,
+        )
+        RoutingGeneration.bump()
+    return worker
+
+
+def worker_register(
+    *, url: str, models: list[Any] | None = None, name: str = "", actor: str = "agent"
+) -> Worker:
+    """Idempotent by URL: an agent calls it at start and again whenever the controller has
+    forgotten it, and each call leaves one up-to-date row."""
+    normalized = _normalized(url)
+    entries = models_from_agent(models) if models else discover_models(url=normalized)
+    now = timezone.now()
+    with transaction.atomic():
+        worker, created = Worker.objects.select_for_update().get_or_create(
+            url=normalized,
+            defaults={
+                "name": name or _default_name(normalized),
+                "source": WorkerSource.AGENT,
+                "models": entries,
+                "last_heartbeat": now,
+            },
+        )
+        if created:
+            event_record(
+                kind=EventKind.WORKER_JOINED,
+                worker=worker,
+                message=f"registered with models {', '.join(worker.model_ids)}",
+                actor=actor,
+            )
+        else:
+            _reregister(worker, entries=entries, name=name, now=now, actor=actor)
+        _ensure_served_models(entries)
+        RoutingGeneration.bump()
+    return worker
+
+
+def _reregister(
+    worker: Worker, *, entries: list[dict[str, Any]], name: str, now: datetime, actor: str
+) -> None:
+    if worker.models != entries:
+        event_record(
+            kind=EventKind.MODELS_CHANGED,
+            worker=worker,
+            message=f"models now {', '.join(e['id'] for e in entries)}",
+            actor=actor,
+        )
+    # A (re)starting agent means a fresh server: it rejoins, unless a drain is still
+    # letting requests finish on it.
+    if worker.state != WorkerState.DRAINING and worker.state != WorkerState.ACTIVE:
+        event_record(
+            kind=EventKind.WORKER_BACK,
+            worker=worker,
+            message=f"registered again (was {worker.state})",
+            actor=actor,
+        )
+        worker.state = WorkerState.ACTIVE
+    worker.models = entries
+    worker.name = name or worker.name
+    worker.source = WorkerSource.AGENT
+    worker.last_heartbeat = now
+    worker.save()
+
+
+def worker_heartbeat(*, worker_id: int, queue_length: int | None = None) -> Worker:
+    """Raises Worker.DoesNotExist for an unknown id, which tells the agent to register."""
+    with transaction.atomic():
+        worker = Worker.objects.select_for_update().get(pk=worker_id)
+        worker.last_heartbeat = timezone.now()
+        fields = ["last_heartbeat", "updated_at"]
+        if queue_length is not None:
+            worker.queue_length = queue_length
+            fields.append("queue_length")
+        if worker.state == WorkerState.OFFLINE:
+            worker.state = WorkerState.ACTIVE
+            fields.append("state")
+            event_record(
+                kind=EventKind.WORKER_BACK,
+                worker=worker,
+                message="heartbeat resumed",
+                actor="agent",
+            )
+        worker.save(update_fields=fields)
+        RoutingGeneration.bump()
+    return worker
+
+
+def worker_drain(*, worker_id: int, actor: str) -> Worker:
+    """Stop new requests; the state becomes drained once no router has one in flight."""
+    with transaction.atomic():
+        worker = Worker.objects.select_for_update().get(pk=worker_id)
+        if worker.state in (WorkerState.DRAINING, WorkerState.DRAINED):
+            return worker
+        worker.state = WorkerState.DRAINING
+        worker.save(update_fields=["state", "updated_at"])
+        event_record(
+            kind=EventKind.DRAIN_STARTED, worker=worker, message="drain requested", actor=actor
+        )
+        RoutingGeneration.bump()
+    workers_finish_drains()
+    worker.refresh_from_db()
+    return worker
+
+
+def worker_activate(*, worker_id: int, actor: str) -> Worker:
+    with transaction.atomic():
+        worker = Worker.objects.select_for_update().get(pk=worker_id)
+        if worker.state == WorkerState.ACTIVE:
+            return worker
+        previous = worker.state
+        worker.state = WorkerState.ACTIVE
+        if worker.source == WorkerSource.AGENT:
+            # Give an agent's worker a full expiry window to prove it is alive.
+            worker.last_heartbeat = timezone.now()
+        worker.save(update_fields=["state", "last_heartbeat", "updated_at"])
+        event_record(
+            kind=EventKind.WORKER_ACTIVATED,
+            worker=worker,
+            message=f"activated (was {previous})",
+            actor=actor,
+        )
+        RoutingGeneration.bump()
+    return worker
+
+
+def worker_remove(*, worker_id: int, actor: str) -> None:
+    with transaction.atomic():
+        worker = Worker.objects.select_for_update().get(pk=worker_id)
+        event_record(
+            kind=EventKind.WORKER_LEFT,
+            worker=None,
+            message=f"removed {worker.name} ({worker.url})",
+            actor=actor,
+            data={"worker_id": worker.pk, "url": worker.url},
+        )
+        worker.delete()
+        RoutingGeneration.bump()
+
+
+def workers_expire_heartbeats(*, now: datetime | None = None) -> int:
+    """Agents' workers whose heartbeat is older than the expiry leave the rotation."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=settings.CONTROLPANEL_HEARTBEAT_EXPIRY)
+    stale = Worker.objects.filter(
+        source=WorkerSource.AGENT,
+        state=WorkerState.ACTIVE,
+        last_heartbeat__lt=cutoff,
+    )
+    expired = 0
+    for worker in stale:
+        with transaction.atomic():
+            changed = Worker.objects.filter(
+                pk=worker.pk, state=WorkerState.ACTIVE, last_heartbeat__lt=cutoff
+            ).update(state=WorkerState.OFFLINE, updated_at=now)
+            if changed:
+                expired += 1
+                event_record(
+                    kind=EventKind.WORKER_OFFLINE,
+                    worker=worker,
+                    message=f"no heartbeat for {settings.CONTROLPANEL_HEARTBEAT_EXPIRY} s",
+                    actor="heartbeat-expiry",
+                )
+                RoutingGeneration.bump()
+    return expired
+
+
+def workers_finish_drains() -> int:
+    """Draining workers that no live router has a request in flight on become drained."""
+    draining = list(Worker.objects.filter(state=WorkerState.DRAINING))
+    if not draining:
+        return 0
+    busy = _workers_busy_in_any_router()
+    finished = 0
+    for worker in draining:
+        if worker.pk in busy:
+            continue
+        with transaction.atomic():
+            if Worker.objects.filter(pk=worker.pk, state=WorkerState.DRAINING).update(
+                state=WorkerState.DRAINED, updated_at=timezone.now()
+            ):
+                finished += 1
+                event_record(
+                    kind=EventKind.DRAIN_FINISHED,
+                    worker=worker,
+                    message="no request left in flight",
+                    actor="router",
+                )
+                RoutingGeneration.bump()
+    return finished
+
+
+def _workers_busy_in_any_router() -> set[int]:
+    busy: set[int] = set()
+    for inflight in RouterInstance.live(ROUTER_LIVENESS).values_list("inflight", flat=True):
+        busy.update(int(worker_id) for worker_id, count in inflight.items() if count > 0)
+    return busy
+
+
+def router_report(
+    *, instance_id: str, hostname: str, pid: int, started_at: datetime, inflight: dict[int, int]
+) -> None:
+    """A router says it is alive and what it has in flight; drains may then finish."""
+    RouterInstance.objects.update_or_create(
+        instance_id=instance_id,
+        defaults={
+            "hostname": hostname,
+            "pid": pid,
+            "started_at": started_at,
+            "last_seen": timezone.now(),
+            "inflight": {str(k): v for k, v in inflight.items() if v},
+        },
+    )
+    RouterInstance.objects.filter(last_seen__lt=timezone.now() - ROUTER_LIVENESS * 20).delete()
+    workers_finish_drains()
+
+
+def router_forget(*, instance_id: str) -> None:
+    RouterInstance.objects.filter(instance_id=instance_id).delete()
+
+
+# --- accounts ------------------------------------------------------------------------------
+
+
+def admin_bootstrap() -> str | None:
+    """On a first run with no staff user, make `admin` with a random password and return
+    the password (the caller prints it once); otherwise return None."""
+    user_model = get_user_model()
+    if user_model.objects.filter(is_staff=True).exists():
+        return None
+    password = secrets.token_urlsafe(12)
+    user_model.objects.create_superuser(username="admin", email="", password=password)
+    return password
+
+
+def routing_changed() -> None:
+    """For edits made outside these services (Django admin forms): tell the routers."""
+    RoutingGeneration.bump()

@@ -1,0 +1,184 @@
+"""Settings for the vLLM Control Panel: every value comes from the environment.
+
+Defaults run everything embedded (SQLite, an in-memory channel layer, a filesystem Celery
+broker); `DATABASE_URL` and `REDIS_URL` switch a deployment to PostgreSQL and Redis.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import dj_database_url
+
+from controlpanel.envconf import env_bool, env_float, env_int, env_str, env_token, env_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("CONTROLPANEL_VAR_DIR", str(BASE_DIR / "var")))
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+
+def _secret_key() -> str:
+    """An explicit key wins; otherwise one is made once and kept under var/ so logins survive
+    restarts without anyone having to invent a key for a first run."""
+    explicit = env_str("DJANGO_SECRET_KEY")
+    if explicit:
+        return explicit
+    key_file = VAR_DIR / "secret_key"
+    if not key_file.exists():
+        key_file.write_text(secrets.token_urlsafe(50))
+        key_file.chmod(0o600)
+    return key_file.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+DEBUG = env_bool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = [h.strip() for h in env_str("CONTROLPANEL_ALLOWED_HOSTS", "*").split(",") if h]
+CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("CONTROLPANEL_CSRF_ORIGINS").split(",") if o]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "controlpanel",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "controlpanel.urls"
+ASGI_APPLICATION = "controlpanel.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASE_URL = env_url(
+    "DATABASE_URL",
+    f"sqlite:///{VAR_DIR / 'controlpanel.sqlite3'}",
+    schemes=("sqlite", "postgres", "postgresql", "pgsql"),
+)
+DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # The router, the API and Celery write from several processes; WAL and a busy timeout
+    # keep SQLite from answering "database is locked" under that mix.
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 20,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+DATABASES["default"]["TEST"] = {"NAME": env_str("CONTROLPANEL_TEST_DB_NAME") or None}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env_url("REDIS_URL", "", schemes=("redis", "rediss", "unix"))
+
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL]},
+        }
+    }
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                          "LOCATION": REDIS_URL}}
+    CELERY_BROKER_URL = REDIS_URL
+    CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {}
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    # kombu's filesystem transport needs no server: the embedded default for a first run.
+    _broker_dir = VAR_DIR / "celery-broker"
+    for _sub in ("queue", "processed"):
+        (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker_dir / "queue"),
+        "data_folder_out": str(_broker_dir / "queue"),
+        "processed_folder": str(_broker_dir / "processed"),
+        "store_processed": False,
+    }
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "/admin/login/"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "staticfiles"
+
+# Long prompts and images are legitimate API payloads; Django's 2.5 MB default is not.
+MAX_BODY_BYTES = env_int("CONTROLPANEL_MAX_BODY_BYTES", 32 * 1024 * 1024, minimum=1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_BODY_BYTES
+
+# --- The control plane ---------------------------------------------------------------
+CONTROLPANEL_ADMIN_TOKEN = env_token("CONTROLPANEL_ADMIN_TOKEN")
+CONTROLPANEL_WORKER_TOKEN = env_token("CONTROLPANEL_WORKER_TOKEN")
+CONTROLPANEL_HEARTBEAT_EXPIRY = env_int("CONTROLPANEL_HEARTBEAT_EXPIRY", 90, minimum=1)
+# Agents beat three times per expiry window, so one lost beat never expires a worker.
+CONTROLPANEL_HEARTBEAT_INTERVAL = max(1, CONTROLPANEL_HEARTBEAT_EXPIRY // 3)
+CONTROLPANEL_DISCOVERY_TIMEOUT = env_float("CONTROLPANEL_DISCOVERY_TIMEOUT", 5.0, minimum=0.1)
+
+# --- The router (data plane) ---------------------------------------------------------
+ROUTER_CONNECT_TIMEOUT = env_float("CONTROLPANEL_UPSTREAM_CONNECT_TIMEOUT", 5.0, minimum=0.1)
+# vLLM sends no byte of a non-streamed answer until it is complete, so the first-byte (and
+# between-chunks) limit must cover a whole long generation; there is no overall limit.
+ROUTER_READ_TIMEOUT = env_float("CONTROLPANEL_UPSTREAM_READ_TIMEOUT", 600.0, minimum=0.1)
+ROUTER_MAX_CONNECTIONS = env_int("CONTROLPANEL_UPSTREAM_MAX_CONNECTIONS", 2048, minimum=1)
+ROUTER_MAX_CONNECTIONS_PER_WORKER = env_int(
+    "CONTROLPANEL_UPSTREAM_MAX_CONNECTIONS_PER_WORKER", 512, minimum=1
+)
+ROUTER_SNAPSHOT_POLL_SECONDS = env_float("CONTROLPANEL_SNAPSHOT_POLL", 0.25, minimum=0.01)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("CONTROLPANEL_LOG_LEVEL", "INFO")},
+    "loggers": {"httpx": {"level": "WARNING"}, "django.db.backends": {"level": "WARNING"}},
+}
+
+CONTROLPANEL_HOUSEKEEPING_SECONDS = env_float("CONTROLPANEL_HOUSEKEEPING_SECONDS", 5.0, minimum=0.5)
+CELERY_BEAT_SCHEDULE = {
+    "expire-heartbeats": {
+        "task": "controlpanel.expire_heartbeats",
+        "schedule": CONTROLPANEL_HOUSEKEEPING_SECONDS,
+    },
+    "finish-drains": {
+        "task": "controlpanel.finish_drains",
+        "schedule": CONTROLPANEL_HOUSEKEEPING_SECONDS,
+    },
+}

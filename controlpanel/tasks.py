@@ -1,0 +1,15 @@
+"""Thin Celery tasks: each calls one service. Beat runs them on the schedule in settings."""
+
+from celery import shared_task
+
+from controlpanel import services
+
+
+@shared_task(name="controlpanel.expire_heartbeats", ignore_result=True)
+def expire_heartbeats() -> int:
+    return services.workers_expire_heartbeats()
+
+
+@shared_task(name="controlpanel.finish_drains", ignore_result=True)
+def finish_drains() -> int:
+    return services.workers_finish_drains()

@@ -1,0 +1,22 @@
+from django.contrib import admin
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.urls import path
+from django.views.defaults import page_not_found
+
+from controlpanel.api import api
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("api/", api.urls),
+]
+
+
+def handler404(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """API clients get JSON in the OpenAI error shape, browsers the usual page."""
+    if request.path.startswith("/api/"):
+        return JsonResponse(
+            {"error": {"message": f"no route {request.path}", "type": "NotFoundError",
+                       "param": None, "code": 404}},
+            status=404,
+        )
+    return page_not_found(request, exception)

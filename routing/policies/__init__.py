@@ -1,0 +1,44 @@
+"""Policies registered by name; adding one touches this table and its own module only."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from routing.policies.base import BasePolicy, Policy, RequestInfo
+
+log = logging.getLogger(__name__)
+
+POLICIES: dict[str, str] = {
+    "shortest_queue": "routing.policies.shortest_queue.ShortestQueuePolicy",
+}
+DEFAULT_POLICY = "shortest_queue"
+
+
+class UnknownPolicy(ValueError):
+    pass
+
+
+def policy_class(name: str) -> type[BasePolicy]:
+    try:
+        dotted = POLICIES[name]
+    except KeyError:
+        raise UnknownPolicy(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+    module_name, _, class_name = dotted.rpartition(".")
+    cls: type[BasePolicy] = getattr(importlib.import_module(module_name), class_name)
+    return cls
+
+
+def make_policy(name: str, config: Mapping[str, Any] | None = None) -> BasePolicy:
+    """A policy instance; an unknown name (e.g. from a newer release's database) falls back
+    to the default loudly, so routing never stops over a configuration mistake."""
+    try:
+        return policy_class(name)(config)
+    except UnknownPolicy:
+        log.error("policy %r is unknown; using %s", name, DEFAULT_POLICY)
+        return policy_class(DEFAULT_POLICY)(config)
+
+
+__all__ = ["POLICIES", "DEFAULT_POLICY", "Policy", "RequestInfo", "make_policy", "policy_class"]

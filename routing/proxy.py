@@ -1,0 +1,417 @@
+"""The /v1 hot path: a bare ASGI application in front of many vLLM servers.
+
+Per request it reads the body once, parses it once (only to learn `model`), picks a worker
+from the in-memory snapshot, forwards the untouched bytes over one long-lived aiohttp
+session and relays the answer chunk by chunk as it arrives. No ORM, no Django, no buffer.
+A client that goes away cancels the upstream request at once, so vLLM frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from routing.errors import error_body, sse_error_event
+from routing.policies import make_policy
+from routing.policies.base import BasePolicy, RequestInfo
+from routing.snapshot import ModelRoute, Snapshot, WorkerView
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# Routes forwarded by the `model` field of their JSON body.
+MODEL_ROUTES = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/v1/score",
+        "/tokenize",
+        "/detokenize",
+        "/rerank",
+        "/score",
+        "/pooling",
+        "/classify",
+    }
+)
+SEED_ROUTES = frozenset({"/list_models", "/list_workers", "/health"})
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) describe one connection, not the message.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# aiohttp sets these itself from the URL and the body it sends.
+_REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
+_RESPONSE_DROP = HOP_BY_HOP
+
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    connect_timeout: float = 5.0
+    read_timeout: float = 600.0  # to the first byte, and between chunks; never overall
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_connections: int = 2048
+    max_connections_per_worker: int = 512
+    retry_after_seconds: int = 2
+
+
+def routes_here(path: str) -> bool:
+    """True for every path the router serves; everything else goes to Django."""
+    return path.startswith("/v1/") or path in MODEL_ROUTES or path in SEED_ROUTES
+
+
+class RouterApp:
+    """The ASGI callable for router paths. `snapshot` is swapped by the refresher."""
+
+    def __init__(self, config: RouterConfig | None = None) -> None:
+        self.config = config or RouterConfig()
+        self.snapshot: Snapshot = Snapshot.empty()
+        self.snapshot_error: str | None = None
+        self.inflight: defaultdict[int, int] = defaultdict(int)
+        self.started_at = time.time()
+        self._session: aiohttp.ClientSession | None = None
+        self._policies: dict[tuple[str, str, bytes], BasePolicy] = {}
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        if self._session is None:
+            self._session = self._new_session()
+
+    async def shutdown(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _new_session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=self.config.max_connections,
+            limit_per_host=self.config.max_connections_per_worker,
+            keepalive_timeout=30,
+            ttl_dns_cache=60,
+        )
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=self.config.connect_timeout,
+            sock_read=self.config.read_timeout,
+        )
+        # auto_decompress=False and no automatic headers: the client gets exactly the
+        # bytes the worker sent, encoded the way the client asked for.
+        return aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+
+    # --- ASGI entry -----------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        method = scope["method"]
+        if path in MODEL_ROUTES:
+            if method != "POST":
+                return await _respond_error(send, 405, f"{method} is not allowed on {path}")
+            return await self._proxy(scope, receive, send)
+        if method != "GET":
+            return await _respond_error(send, 405, f"{method} is not allowed on {path}")
+        if path == "/v1/models":
+            return await _respond(send, 200, self.snapshot.models_payload)
+        if path == "/list_models":
+            return await _respond(send, 200, self.snapshot.list_models_payload)
+        if path == "/list_workers":
+            return await _respond(send, 200, orjson.dumps(self.list_workers()))
+        if path == "/health":
+            return await _respond(send, 200, orjson.dumps(self.health()))
+        await _respond_error(send, 404, f"no route {path}")
+
+    # --- the proxy --------------------------------------------------------------------------
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._read_body(scope, receive, send)
+        if body is None:
+            return
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            return await _respond_error(send, 400, f"the request body is not valid JSON: {exc}")
+        model = payload.get("model") if isinstance(payload, dict) else None
+        if not isinstance(model, str) or not model:
+            return await _respond_error(
+                send, 400, "the request body must be a JSON object with a `model`", "model"
+            )
+        route = self.snapshot.routes.get(model)
+        if route is None:
+            return await _respond_error(send, 404, f"The model `{model}` does not exist.", "model")
+        request = RequestInfo(model=model, body=payload, raw_headers=scope["headers"])
+        policy = self._policy_for(route)
+        worker = policy.select(route.workers, request, self.inflight)
+        if worker is None:
+            return await _respond_error(
+                send,
+                503,
+                f"no worker is available for model `{model}` right now",
+                extra_headers=[(b"retry-after", str(self.config.retry_after_seconds).encode())],
+            )
+        await self._forward_counted(scope, receive, send, worker, body, policy, request)
+
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        limit = self.config.max_body_bytes
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _respond_error(send, 413, f"the request body exceeds {limit} bytes")
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _respond_error(send, 413, f"the request body exceeds {limit} bytes")
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _policy_for(self, route: ModelRoute) -> BasePolicy:
+        """Policies live across snapshot swaps, so stateful ones keep what they learned."""
+        key = (route.name, route.policy, orjson.dumps(dict(route.policy_config)))
+        policy = self._policies.get(key)
+        if policy is None:
+            policy = self._policies[key] = make_policy(route.policy, route.policy_config)
+        return policy
+
+    async def _forward_counted(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        worker: WorkerView,
+        body: bytes,
+        policy: BasePolicy,
+        request: RequestInfo,
+    ) -> None:
+        self.inflight[worker.id] += 1
+        policy.on_request_start(worker, request)
+        ok = False
+        try:
+            ok = await self._forward_watching_client(scope, receive, send, worker, body)
+        finally:
+            self.inflight[worker.id] -= 1
+            policy.on_request_complete(worker, request, ok)
+
+    async def _forward_watching_client(
+        self, scope: Scope, receive: Receive, send: Send, worker: WorkerView, body: bytes
+    ) -> bool:
+        """Run the forward while watching for the client leaving; if it leaves, cancel the
+        forward, which closes the upstream connection instead of finishing the generation."""
+        forward = asyncio.current_task()
+        assert forward is not None
+        state = {"done": False, "gone": False}
+        watcher = asyncio.create_task(_watch_disconnect(receive, forward, state))
+        try:
+            return await self._forward(scope, send, worker, body, state)
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            forward.uncancel()
+            return False
+        finally:
+            state["done"] = True
+            watcher.cancel()
+
+    async def _forward(
+        self, scope: Scope, send: Send, worker: WorkerView, body: bytes, state: dict[str, bool]
+    ) -> bool:
+        session = self._session or await self._lazy_session()
+        url = worker.url + scope["path"]
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        try:
+            upstream = await session.post(
+                url, data=body, headers=_request_headers(scope["headers"]), allow_redirects=False
+            )
+        except asyncio.TimeoutError:
+            await _respond_error(send, 504, f"worker {worker.name} did not answer in time")
+            return False
+        except aiohttp.ClientError as exc:
+            await _respond_error(send, 502, f"worker {worker.name} is unreachable: {exc}")
+            return False
+        try:
+            return await self._relay(send, upstream, worker, state)
+        finally:
+            if state["gone"] or not upstream.content.at_eof():
+                upstream.close()  # the connection is mid-message: never reuse it
+            else:
+                upstream.release()
+
+    async def _relay(
+        self,
+        send: Send,
+        upstream: aiohttp.ClientResponse,
+        worker: WorkerView,
+        state: dict[str, bool],
+    ) -> bool:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": upstream.status,
+                "headers": _response_headers(upstream.raw_headers),
+            }
+        )
+        content = upstream.content
+        try:
+            while chunk := await content.readany():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("stream from %s broke: %r", worker.name, exc)
+            await self._end_broken_stream(send, upstream, worker, exc)
+            return False
+        state["done"] = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return upstream.status < 500
+
+    async def _end_broken_stream(
+        self, send: Send, upstream: aiohttp.ClientResponse, worker: WorkerView, exc: BaseException
+    ) -> None:
+        """Headers are gone already; the honest ending is vLLM's own in-stream error event."""
+        if upstream.content_type == "text/event-stream":
+            message = f"worker {worker.name} failed mid-stream: {type(exc).__name__}"
+            await send(
+                {"type": "http.response.body", "body": sse_error_event(message), "more_body": True}
+            )
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _lazy_session(self) -> aiohttp.ClientSession:
+        """For servers that skip the ASGI lifespan: make the one session on first use."""
+        await self.startup()
+        assert self._session is not None
+        return self._session
+
+    # --- seed endpoints ---------------------------------------------------------------------
+
+    def list_workers(self) -> dict[str, Any]:
+        now = time.time()
+        workers = [
+            {
+                "id": w.id,
+                "name": w.name,
+                "url": w.url,
+                "state": w.state,
+                "source": w.source,
+                "routable": w.routable,
+                "models": [m.id for m in w.models],
+                "inflight": self.inflight.get(w.id, 0),
+                "queue_length": w.queue_length,
+                "heartbeat_age_s": _rounded(w.heartbeat_age(now)),
+            }
+            for w in self.snapshot.workers
+        ]
+        return {"workers": workers}
+
+    def health(self) -> dict[str, Any]:
+        counts: dict[str, int] = defaultdict(int)
+        for worker in self.snapshot.workers:
+            counts[worker.state] += 1
+        snapshot_age = time.time() - self.snapshot.built_at
+        return {
+            "status": "degraded" if self.snapshot_error else "ok",
+            "workers": dict(counts),
+            "routable_workers": sum(1 for w in self.snapshot.workers if w.routable),
+            "snapshot_generation": self.snapshot.generation,
+            "snapshot_age_s": round(snapshot_age, 3),
+            "snapshot_error": self.snapshot_error,
+            "inflight": sum(self.inflight.values()),
+        }
+
+
+async def _watch_disconnect(
+    receive: Receive, forward: asyncio.Task[Any], state: dict[str, bool]
+) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not state["done"]:
+                state["gone"] = True
+                forward.cancel()
+            return
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def _request_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [
+        (k.decode("latin-1"), v.decode("latin-1"))
+        for k, v in raw
+        if k.lower() not in _REQUEST_DROP
+    ]
+
+
+def _response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in raw if k.lower() not in _RESPONSE_DROP]
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+async def _respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    headers = _JSON_HEADERS + [(b"content-length", str(len(body)).encode())]
+    if extra_headers:
+        headers += extra_headers
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _respond_error(
+    send: Send,
+    status: int,
+    message: str,
+    param: str | None = None,
+    *,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    await _respond(send, status, error_body(status, message, param=param), extra_headers)

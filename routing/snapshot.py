@@ -1,0 +1,140 @@
+"""An immutable, in-memory view of the fleet that the router reads on every request.
+
+The refresher builds a new Snapshot off the request path and swaps the reference in one
+assignment, so a request always sees one consistent fleet and never waits on a database.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import orjson
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """One line of a worker's /v1/models; a LoRA adapter has its base model as parent."""
+
+    id: str
+    parent: str | None = None
+    root: str | None = None
+    max_model_len: int | None = None
+    created: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    id: int
+    name: str
+    url: str
+    state: str
+    source: str
+    models: tuple[ModelEntry, ...]
+    queue_length: int | None
+    last_heartbeat: float | None  # epoch seconds
+    routable: bool
+    weight: float = 1.0
+
+    def heartbeat_age(self, now: float) -> float | None:
+        return None if self.last_heartbeat is None else max(0.0, now - self.last_heartbeat)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    """Everything the router needs to place a request for one model name."""
+
+    name: str
+    policy: str
+    policy_config: Mapping[str, Any]
+    workers: tuple[WorkerView, ...]  # routable workers only
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModelInfo:
+    name: str
+    policy: str = "shortest_queue"
+    policy_config: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    generation: int
+    built_at: float
+    workers: tuple[WorkerView, ...]
+    routes: Mapping[str, ModelRoute]
+    # Pre-rendered at build time: /v1/models and /list_models cost nothing per request.
+    models_payload: bytes
+    list_models_payload: bytes
+
+    @classmethod
+    def empty(cls) -> Snapshot:
+        return build_snapshot(workers=(), served_models=(), generation=-1)
+
+
+def build_snapshot(
+    *,
+    workers: Iterable[WorkerView],
+    served_models: Iterable[ServedModelInfo],
+    generation: int,
+    now: float | None = None,
+) -> Snapshot:
+    workers = tuple(workers)
+    configs = {m.name: m for m in served_models}
+    serving: dict[str, list[WorkerView]] = {name: [] for name in configs}
+    for worker in workers:
+        for entry in worker.models:
+            bucket = serving.setdefault(entry.id, [])
+            if worker.routable:
+                bucket.append(worker)
+    routes = {
+        name: ModelRoute(
+            name=name,
+            policy=configs[name].policy if name in configs else "shortest_queue",
+            policy_config=MappingProxyType(dict(configs[name].policy_config))
+            if name in configs
+            else MappingProxyType({}),
+            workers=tuple(bucket),
+        )
+        for name, bucket in serving.items()
+    }
+    routable_entries = _routable_model_entries(workers)
+    return Snapshot(
+        generation=generation,
+        built_at=time.time() if now is None else now,
+        workers=workers,
+        routes=MappingProxyType(routes),
+        models_payload=_models_payload(routable_entries),
+        list_models_payload=orjson.dumps({"models": sorted(e.id for e in routable_entries)}),
+    )
+
+
+def _routable_model_entries(workers: tuple[WorkerView, ...]) -> list[ModelEntry]:
+    seen: dict[str, ModelEntry] = {}
+    for worker in workers:
+        if worker.routable:
+            for entry in worker.models:
+                seen.setdefault(entry.id, entry)
+    return list(seen.values())
+
+
+def _models_payload(entries: list[ModelEntry]) -> bytes:
+    """vLLM's own /v1/models shape, so SDKs and tools see one big vLLM."""
+    now = int(time.time())
+    data = [
+        {
+            "id": e.id,
+            "object": "model",
+            "created": e.created or now,
+            "owned_by": "vllm",
+            "root": e.root or e.id,
+            "parent": e.parent,
+            "max_model_len": e.max_model_len,
+            "permission": [],
+        }
+        for e in sorted(entries, key=lambda e: e.id)
+    ]
+    return orjson.dumps({"object": "list", "data": data})

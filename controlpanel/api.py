@@ -163,22 +163,22 @@ def workers_add(request: HttpRequest, payload: WorkerIn) -> Any:
     return 201, worker
 
 
-@api.get("/workers/{worker_id}", response=WorkerOut, auth=ADMIN_AUTH, tags=["workers"])
+@api.get("/workers/{int:worker_id}", response=WorkerOut, auth=ADMIN_AUTH, tags=["workers"])
 def workers_get(request: HttpRequest, worker_id: int) -> Any:
     return Worker.objects.get(pk=worker_id)
 
 
-@api.post("/workers/{worker_id}/drain", response=WorkerOut, auth=ADMIN_AUTH, tags=["workers"])
+@api.post("/workers/{int:worker_id}/drain", response=WorkerOut, auth=ADMIN_AUTH, tags=["workers"])
 def workers_drain(request: HttpRequest, worker_id: int) -> Any:
     return services.worker_drain(worker_id=worker_id, actor=_actor(request))
 
 
-@api.post("/workers/{worker_id}/activate", response=WorkerOut, auth=ADMIN_AUTH, tags=["workers"])
+@api.post("/workers/{int:worker_id}/activate", response=WorkerOut, auth=ADMIN_AUTH, tags=["workers"])
 def workers_activate(request: HttpRequest, worker_id: int) -> Any:
     return services.worker_activate(worker_id=worker_id, actor=_actor(request))
 
 
-@api.delete("/workers/{worker_id}", response={204: None}, auth=ADMIN_AUTH, tags=["workers"])
+@api.delete("/workers/{int:worker_id}", response={204: None}, auth=ADMIN_AUTH, tags=["workers"])
 def workers_remove(request: HttpRequest, worker_id: int) -> Any:
     services.worker_remove(worker_id=worker_id, actor=_actor(request))
     return 204, None
@@ -194,7 +194,7 @@ def workers_register(request: HttpRequest, payload: RegisterIn) -> Any:
 
 
 @api.post(
-    "/workers/{worker_id}/heartbeat", response=HeartbeatOut, auth=AGENT_AUTH, tags=["agent"]
+    "/workers/{int:worker_id}/heartbeat", response=HeartbeatOut, auth=AGENT_AUTH, tags=["agent"]
 )
 def workers_heartbeat(request: HttpRequest, worker_id: int, payload: HeartbeatIn) -> Any:
     if payload.queue_length is not None and payload.queue_length < 0:
@@ -207,7 +207,7 @@ def workers_heartbeat(request: HttpRequest, worker_id: int, payload: HeartbeatIn
     }
 
 
-@api.post("/workers/{worker_id}/deregister", response=HeartbeatOut, auth=AGENT_AUTH, tags=["agent"])
+@api.post("/workers/{int:worker_id}/deregister", response=HeartbeatOut, auth=AGENT_AUTH, tags=["agent"])
 def workers_deregister(request: HttpRequest, worker_id: int) -> Any:
     """An agent whose server is shutting down drains it, so no new request is lost."""
     worker = services.worker_drain(worker_id=worker_id, actor="agent")

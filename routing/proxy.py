@@ -379,9 +379,7 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 def _request_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
     return [
-        (k.decode("latin-1"), v.decode("latin-1"))
-        for k, v in raw
-        if k.lower() not in _REQUEST_DROP
+        (k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.lower() not in _REQUEST_DROP
     ]
 
 

@@ -30,7 +30,12 @@ class SnapshotSource(Protocol):
     def load(self) -> Snapshot: ...
 
     def report(
-        self, *, instance_id: str, hostname: str, pid: int, started_at: float,
+        self,
+        *,
+        instance_id: str,
+        hostname: str,
+        pid: int,
+        started_at: float,
         inflight: dict[int, int],
     ) -> None: ...
 

@@ -1,0 +1,201 @@
+"""End-to-end fixtures: the real ASGI server (uvicorn) in a subprocess on the test database,
+simulated vLLM workers on their own ports, and helpers to wait for the router to see them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from django.conf import settings
+from django.db import connection
+
+from controlpanel import services
+from controlpanel.models import Worker
+from routing.simulator import RunningSimulator, SimConfig, start_simulator
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_HEADERS = {"Authorization": f"Bearer {settings.CONTROLPANEL_ADMIN_TOKEN}"}
+AGENT_HEADERS = {"Authorization": f"Bearer {settings.CONTROLPANEL_WORKER_TOKEN}"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_database_url() -> str:
+    """The URL of the database pytest-django created, for subprocesses to share it."""
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
+    return f"postgresql://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+def subprocess_env(var_dir: Path, **extra: str) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DATABASE_URL": test_database_url(),
+        "CONTROLPANEL_VAR_DIR": str(var_dir),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.update(extra)
+    return env
+
+
+def wait_until(predicate: Callable[[], Any], *, timeout: float = 10.0, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s (last value: {last!r})")
+
+
+def stop_process(proc: subprocess.Popen[bytes], *, timeout: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# --- the router ---------------------------------------------------------------------------
+
+
+@dataclass
+class RouterServer:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=10, **kwargs)
+
+    def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=10, **kwargs)
+
+    def workers(self) -> dict[int, dict[str, Any]]:
+        return {w["id"]: w for w in self.get("/list_workers").json()["workers"]}
+
+    def wait_for(self, predicate: Callable[[dict[int, dict[str, Any]]], bool]) -> None:
+        wait_until(lambda: predicate(self.workers()))
+
+    def wait_routable(self, *workers: Worker) -> None:
+        ids = {w.pk for w in workers}
+        self.wait_for(lambda seen: all(seen.get(i, {}).get("routable") for i in ids))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_router(var_dir: Path, **env: str) -> RouterServer:
+    port = free_port()
+    log_path = var_dir / f"router-{port}.log"
+    command = [
+        sys.executable, "-m", "uvicorn", "controlpanel.asgi:application",
+        "--host", "127.0.0.1", "--port", str(port), "--lifespan", "on", "--no-access-log",
+    ]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=subprocess_env(var_dir, **env), stdout=log, stderr=log
+        )
+    server = RouterServer(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"router exited early:\n{server.log()}")
+        try:
+            return server.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(healthy, timeout=30)
+    return server
+
+
+@pytest.fixture(scope="session")
+def var_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("var")
+
+
+@pytest.fixture(scope="session")
+def router(django_db_setup: None, django_db_blocker: Any, var_dir: Path) -> Iterator[RouterServer]:
+    with django_db_blocker.unblock():
+        server = start_router(var_dir)
+    yield server
+    stop_process(server.proc)
+
+
+@pytest.fixture
+def client(router: RouterServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key="not-checked", max_retries=0)
+
+
+# --- simulated workers --------------------------------------------------------------------
+
+
+class SimulatorLoop:
+    """One event loop in a thread runs every simulator of the session, so tests can start
+    them cheaply and read their state directly."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+@pytest.fixture(scope="session")
+def sim_loop() -> SimulatorLoop:
+    return SimulatorLoop()
+
+
+@pytest.fixture
+def simulator(sim_loop: SimulatorLoop) -> Iterator[Callable[..., RunningSimulator]]:
+    started: list[RunningSimulator] = []
+
+    def start(model: str = "sim-model", **config: Any) -> RunningSimulator:
+        config.setdefault("ttft_ms", 1)
+        config.setdefault("itl_ms", 1)
+        sim: RunningSimulator = sim_loop.run(start_simulator(SimConfig(model=model, **config)))
+        started.append(sim)
+        return sim
+
+    yield start
+    for sim in started:
+        sim_loop.run(sim.stop())
+
+
+@pytest.fixture
+def add_worker(router: RouterServer) -> Callable[..., Worker]:
+    """Register a simulator through the service layer and wait until the router routes to it."""
+
+    def add(sim: RunningSimulator, name: str = "") -> Worker:
+        worker = services.worker_add(url=sim.url, name=name, actor="test")
+        router.wait_routable(worker)
+        return worker
+
+    return add

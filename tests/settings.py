@@ -1,0 +1,25 @@
+"""Test settings: the real settings module, with test tokens and short timers.
+
+Subprocesses started by the tests (the router, Celery, agents) load this same module, so
+every process of a test run agrees on tokens, expiry and the test database.
+"""
+
+import os
+
+os.environ.setdefault("CONTROLPANEL_ADMIN_TOKEN", "test-admin-token-0123456789")
+os.environ.setdefault("CONTROLPANEL_WORKER_TOKEN", "test-worker-token-0123456789")
+os.environ.setdefault("CONTROLPANEL_HEARTBEAT_EXPIRY", "3")
+os.environ.setdefault("CONTROLPANEL_HOUSEKEEPING_SECONDS", "0.5")
+os.environ.setdefault("CONTROLPANEL_UPSTREAM_READ_TIMEOUT", "3")
+os.environ.setdefault("CONTROLPANEL_UPSTREAM_CONNECT_TIMEOUT", "2")
+os.environ.setdefault("CONTROLPANEL_MAX_BODY_BYTES", str(1024 * 1024))
+os.environ.setdefault("CONTROLPANEL_DISCOVERY_TIMEOUT", "2")
+
+from controlpanel.settings import *  # noqa: E402,F403
+from controlpanel.settings import DATABASES, VAR_DIR  # noqa: E402
+
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # A file, not memory: the router subprocess must open the same test database.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-controlpanel.sqlite3")}
+
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

@@ -1,0 +1,70 @@
+"""The router forwards what it does not understand untouched, and relays streams live."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import RouterServer
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+# vLLM-only fields, odd spacing, unicode and key order: none of it may change on the way.
+VLLM_BODY = (
+    b'{"messages":[{"role":"user","content":"caf\\u00e9 \xe2\x98\x95"}],  "model" : "m",'
+    b'"guided_json":{"type":"object","properties":{"a":{"type":"integer"}}},'
+    b'"extra_body":{"top_k":5},"top_k":-1,"repetition_penalty":1.05,'
+    b'"max_tokens":3 }'
+)
+
+
+def test_body_bytes_reach_the_worker_unchanged(router: RouterServer, simulator, add_worker) -> None:  # type: ignore[no-untyped-def]
+    sim = simulator("m")
+    add_worker(sim)
+    response = router.post(
+        "/v1/chat/completions?trace=1",
+        content=VLLM_BODY,
+        headers={"Content-Type": "application/json", "X-Request-Id": "abc-123",
+                 "Authorization": "Bearer sk-client", "Connection": "keep-alive"},
+    )
+    assert response.status_code == 200, response.text
+    forwarded = [r for r in sim.state.requests if r["path"] == "/v1/chat/completions"][-1]
+    assert forwarded["body"] == VLLM_BODY
+    headers = {k.lower(): v for k, v in forwarded["headers"].items()}
+    assert headers["x-request-id"] == "abc-123"
+    assert headers["authorization"] == "Bearer sk-client"
+    assert headers["content-type"] == "application/json"
+    assert "connection" not in headers or headers["connection"].lower() == "keep-alive"
+
+
+def test_response_headers_and_body_are_relayed(router: RouterServer, simulator, add_worker) -> None:  # type: ignore[no-untyped-def]
+    sim = simulator("m")
+    add_worker(sim)
+    direct = httpx.post(f"{sim.url}/tokenize", json={"model": "m", "prompt": "a b c"})
+    routed = router.post("/tokenize", json={"model": "m", "prompt": "a b c"})
+    assert routed.status_code == direct.status_code == 200
+    assert routed.json() == direct.json()
+    assert routed.headers["content-type"] == direct.headers["content-type"]
+
+
+def test_stream_events_arrive_as_they_are_produced(router: RouterServer, simulator, add_worker) -> None:  # type: ignore[no-untyped-def]
+    sim = simulator("m", ttft_ms=5, itl_ms=100)
+    add_worker(sim)
+    body = {"model": "m", "prompt": "x", "max_tokens": 5, "stream": True}
+    arrivals: list[float] = []
+    events: list[bytes] = []
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=10) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append(time.monotonic())
+                events.append(line.encode())
+    assert events[-1] == b"data: [DONE]"
+    token_events = [json.loads(e[6:]) for e in events[:-1]]
+    assert len(token_events) == 5
+    # Buffering would bunch the events together; relayed live they keep the worker's pace.
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:5], strict=False)]
+    assert min(gaps) > 0.05, gaps

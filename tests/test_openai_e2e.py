@@ -1,0 +1,80 @@
+"""The official OpenAI client, through the real router, to simulated vLLM workers."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def fleet(simulator, add_worker):  # type: ignore[no-untyped-def]
+    sims = [simulator("llama", loras=("sql-lora",)), simulator("llama"), simulator("embedder")]
+    workers = [add_worker(sim) for sim in sims]
+    return sims, workers
+
+
+def test_chat_completion(client, fleet) -> None:  # type: ignore[no-untyped-def]
+    reply = client.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": "hello there"}], max_tokens=5
+    )
+    assert reply.model == "llama"
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 5
+
+
+def test_chat_completion_stream_with_usage(client, fleet) -> None:  # type: ignore[no-untyped-def]
+    stream = client.chat.completions.create(
+        model="llama",
+        messages=[{"role": "user", "content": "tell me a story"}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(text.split()) == 8
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+
+def test_completion_plain_and_streamed(client, fleet) -> None:  # type: ignore[no-untyped-def]
+    plain = client.completions.create(model="llama", prompt="once upon a time", max_tokens=4)
+    assert len(plain.choices[0].text.split()) == 4
+    streamed = list(
+        client.completions.create(model="llama", prompt="once upon", max_tokens=6, stream=True)
+    )
+    words = "".join(c.choices[0].text for c in streamed).split()
+    assert len(words) == 6
+    assert words[:4] == plain.choices[0].text.split()  # the simulator's deterministic output
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_lora_adapter_is_routed_to_its_worker(client, fleet) -> None:  # type: ignore[no-untyped-def]
+    sims, _ = fleet
+    for _ in range(5):
+        reply = client.chat.completions.create(
+            model="sql-lora", messages=[{"role": "user", "content": "select"}], max_tokens=2
+        )
+        assert reply.model == "sql-lora"
+    assert sims[0].state.completed == 5
+    assert sims[1].state.completed == 0
+
+
+def test_embeddings(client, fleet) -> None:  # type: ignore[no-untyped-def]
+    result = client.embeddings.create(model="embedder", input=["a", "b c"])
+    assert [d.index for d in result.data] == [0, 1]
+    assert len(result.data[0].embedding) > 0
+    assert fleet[0][2].state.completed == 1
+
+
+def test_models_list_merges_workers_with_lora_parent(client, router, fleet) -> None:  # type: ignore[no-untyped-def]
+    ids = [m.id for m in client.models.list()]
+    assert sorted(ids) == ["embedder", "llama", "sql-lora"]  # each id once
+    raw = {m["id"]: m for m in router.get("/v1/models").json()["data"]}
+    assert raw["sql-lora"]["parent"] == "llama"
+    assert raw["llama"]["parent"] is None
+    assert raw["llama"]["owned_by"] == "vllm"
+    assert router.get("/list_models").json() == {"models": ["embedder", "llama", "sql-lora"]}

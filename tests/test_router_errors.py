@@ -1,0 +1,148 @@
+"""Every error the router produces comes as OpenAI-format JSON with the right status."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from controlpanel.models import RoutingGeneration, ServedModel, Worker, WorkerSource
+from tests.conftest import RouterServer, free_port
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict[str, object]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["message"]
+    return error  # type: ignore[no-any-return]
+
+
+def chat(router: RouterServer, model: str = "m", **extra: object) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+    return router.post("/v1/chat/completions", json=body)
+
+
+def fake_worker(url: str, model: str = "m") -> Worker:
+    """A registry row pointing at something that is not a healthy vLLM (no discovery)."""
+    worker = Worker.objects.create(
+        url=url, name=url, source=WorkerSource.OPERATOR, models=[{"id": model}]
+    )
+    ServedModel.objects.get_or_create(name=model)
+    RoutingGeneration.bump()
+    return worker
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"{not json", b"", b"[1, 2]", b'"text"', b'{"messages": []}', b'{"model": 42}',
+     b'{"model": ""}'],
+)
+def test_bad_bodies_get_400(router: RouterServer, body: bytes) -> None:
+    response = router.post("/v1/chat/completions", content=body)
+    error = assert_openai_error(response, 400)
+    assert error["type"] == "BadRequestError"
+
+
+def test_unknown_model_gets_404(router: RouterServer) -> None:
+    error = assert_openai_error(chat(router, "no-such-model"), 404)
+    assert error["type"] == "NotFoundError" and error["param"] == "model"
+
+
+def test_openai_client_sees_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="absent", messages=[{"role": "user", "content": "x"}])
+
+
+def test_known_model_without_routable_worker_gets_503(router: RouterServer, simulator, add_worker) -> None:  # type: ignore[no-untyped-def]
+    worker = add_worker(simulator("m"))
+    Worker.objects.filter(pk=worker.pk).update(state="drained")
+    RoutingGeneration.bump()
+    router.wait_for(lambda seen: seen[worker.pk]["routable"] is False)
+    response = chat(router)
+    assert_openai_error(response, 503)
+    assert int(response.headers["retry-after"]) > 0
+
+
+def test_connection_refused_gets_502(router: RouterServer) -> None:
+    worker = fake_worker(f"http://127.0.0.1:{free_port()}")
+    router.wait_routable(worker)
+    assert_openai_error(chat(router), 502)
+
+
+@pytest.fixture
+def resetting_server() -> Iterator[str]:
+    """Accepts a connection, reads the request, then closes without answering."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            conn.recv(65536)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def test_reset_before_response_gets_502(router: RouterServer, resetting_server: str) -> None:
+    worker = fake_worker(resetting_server)
+    router.wait_routable(worker)
+    assert_openai_error(chat(router), 502)
+
+
+def test_upstream_timeout_before_first_byte_gets_504(router: RouterServer, simulator, add_worker) -> None:  # type: ignore[no-untyped-def]
+    add_worker(simulator("m"))
+    # The test router's first-byte limit is 3 s (tests/settings.py).
+    response = router.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+        headers={"X-Sim-Delay-Ms": "5000"},
+    )
+    assert_openai_error(response, 504)
+
+
+def test_body_over_limit_gets_413(router: RouterServer) -> None:
+    big = b'{"model": "m", "prompt": "' + b"x" * (1024 * 1024) + b'"}'
+    assert_openai_error(router.post("/v1/completions", content=big), 413)
+
+
+def test_body_over_limit_without_content_length_gets_413(router: RouterServer) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(20):
+            yield b"x" * 65536
+        yield b'"}'
+
+    assert_openai_error(router.post("/v1/completions", content=chunks()), 413)
+
+
+def test_wrong_method_and_unknown_path(router: RouterServer) -> None:
+    assert_openai_error(router.get("/v1/chat/completions"), 405)
+    assert_openai_error(router.post("/v1/models"), 405)
+    assert_openai_error(router.get("/v1/nothing-here"), 404)
+
+
+def test_upstream_error_status_is_relayed_as_sent(router: RouterServer, simulator, add_worker) -> None:  # type: ignore[no-untyped-def]
+    sim = simulator("m")
+    add_worker(sim)
+    response = chat(router, max_tokens=0)
+    error = assert_openai_error(response, 400)
+    assert error["param"] == "max_tokens"  # the simulator's own words, untouched

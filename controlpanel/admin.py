@@ -7,7 +7,7 @@ from controlpanel.models import Event, RouterInstance, ServedModel, Worker
 
 
 @admin.register(Worker)
-class WorkerAdmin(admin.ModelAdmin):
+class WorkerAdmin(admin.ModelAdmin[Worker]):
     list_display = ("name", "url", "state", "source", "queue_length", "last_heartbeat")
     list_filter = ("state", "source")
     search_fields = ("name", "url")
@@ -39,22 +39,24 @@ class WorkerAdmin(admin.ModelAdmin):
 
 
 @admin.register(ServedModel)
-class ServedModelAdmin(admin.ModelAdmin):
+class ServedModelAdmin(admin.ModelAdmin[ServedModel]):
     list_display = ("name", "policy", "updated_at")
     search_fields = ("name",)
 
-    def save_model(self, request: HttpRequest, obj: ServedModel, form: object, change: bool) -> None:
+    def save_model(
+        self, request: HttpRequest, obj: ServedModel, form: object, change: bool
+    ) -> None:
         super().save_model(request, obj, form, change)  # type: ignore[arg-type]
         services.routing_changed()
 
 
 @admin.register(Event)
-class EventAdmin(admin.ModelAdmin):
+class EventAdmin(admin.ModelAdmin[Event]):
     list_display = ("created_at", "kind", "subject", "message", "actor")
     list_filter = ("kind",)
     search_fields = ("subject", "message")
 
 
 @admin.register(RouterInstance)
-class RouterInstanceAdmin(admin.ModelAdmin):
+class RouterInstanceAdmin(admin.ModelAdmin[RouterInstance]):
     list_display = ("instance_id", "hostname", "pid", "started_at", "last_seen")

@@ -173,7 +173,9 @@ def workers_drain(request: HttpRequest, worker_id: int) -> Any:
     return services.worker_drain(worker_id=worker_id, actor=_actor(request))
 
 
-@api.post("/workers/{int:worker_id}/activate", response=WorkerOut, auth=ADMIN_AUTH, tags=["workers"])
+@api.post(
+    "/workers/{int:worker_id}/activate", response=WorkerOut, auth=ADMIN_AUTH, tags=["workers"]
+)
 def workers_activate(request: HttpRequest, worker_id: int) -> Any:
     return services.worker_activate(worker_id=worker_id, actor=_actor(request))
 
@@ -207,7 +209,9 @@ def workers_heartbeat(request: HttpRequest, worker_id: int, payload: HeartbeatIn
     }
 
 
-@api.post("/workers/{int:worker_id}/deregister", response=HeartbeatOut, auth=AGENT_AUTH, tags=["agent"])
+@api.post(
+    "/workers/{int:worker_id}/deregister", response=HeartbeatOut, auth=AGENT_AUTH, tags=["agent"]
+)
 def workers_deregister(request: HttpRequest, worker_id: int) -> Any:
     """An agent whose server is shutting down drains it, so no new request is lost."""
     worker = services.worker_drain(worker_id=worker_id, actor="agent")

@@ -51,6 +51,9 @@ class Worker(models.Model):
     source = models.CharField(max_length=16, choices=WorkerSource.choices)
     last_heartbeat = models.DateTimeField(null=True, blank=True)
     queue_length = models.PositiveIntegerField(null=True, blank=True)
+    # The routing generation that announced the drain: a router that has not yet reported
+    # from a snapshot at least this new may still pick the worker, so the drain waits for it.
+    drain_generation = models.BigIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     # As vLLM lists them in /v1/models: [{"id", "parent", "root", "max_model_len"}]; a LoRA
@@ -127,6 +130,8 @@ class RouterInstance(models.Model):
     started_at = models.DateTimeField()
     last_seen = models.DateTimeField(db_index=True)
     inflight = models.JSONField(default=dict, blank=True)
+    # The snapshot generation the router was routing with when it counted `inflight`.
+    generation = models.BigIntegerField(default=-1)
 
     @classmethod
     def live(cls, within: timedelta) -> models.QuerySet[RouterInstance]:

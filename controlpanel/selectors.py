@@ -88,7 +88,13 @@ class DatabaseSnapshotSource:
 
     @_fresh_connection
     def report(
-        self, *, instance_id: str, hostname: str, pid: int, started_at: float,
+        self,
+        *,
+        instance_id: str,
+        hostname: str,
+        pid: int,
+        started_at: float,
+        generation: int,
         inflight: dict[int, int],
     ) -> None:
         services.router_report(
@@ -96,6 +102,7 @@ class DatabaseSnapshotSource:
             hostname=hostname,
             pid=pid,
             started_at=datetime.fromtimestamp(started_at, tz=UTC),
+            generation=generation,
             inflight=inflight,
         )
 

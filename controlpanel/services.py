@@ -108,9 +108,7 @@ def _model_entry(entry: dict[str, Any]) -> dict[str, Any]:
 
 def models_from_agent(names_or_entries: Iterable[Any]) -> list[dict[str, Any]]:
     """An agent may send bare names or vLLM entries; both become vLLM entries."""
-    entries = [
-        {"id": item} if isinstance(item, str) else dict(item) for item in names_or_entries
-    ]
+    entries = [{"id": item} if isinstance(item, str) else dict(item) for item in names_or_entries]
     return parse_model_list({"data": entries})
 
 
@@ -118,7 +116,12 @@ def models_from_agent(names_or_entries: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def event_record(
-    *, kind: str, worker: Worker | None, message: str, actor: str, data: dict[str, Any] | None = None
+    *,
+    kind: str,
+    worker: Worker | None,
+    message: str,
+    actor: str,
+    data: dict[str, Any] | None = None,
 ) -> Event:
     return Event.objects.create(
         kind=kind,
@@ -261,12 +264,13 @@ def worker_drain(*, worker_id: int, actor: str) -> Worker:
         worker = Worker.objects.select_for_update().get(pk=worker_id)
         if worker.state in (WorkerState.DRAINING, WorkerState.DRAINED):
             return worker
+        RoutingGeneration.bump()
         worker.state = WorkerState.DRAINING
-        worker.save(update_fields=["state", "updated_at"])
+        worker.drain_generation = RoutingGeneration.current()
+        worker.save(update_fields=["state", "drain_generation", "updated_at"])
         event_record(
             kind=EventKind.DRAIN_STARTED, worker=worker, message="drain requested", actor=actor
         )
-        RoutingGeneration.bump()
     workers_finish_drains()
     worker.refresh_from_db()
     return worker
@@ -335,14 +339,15 @@ def workers_expire_heartbeats(*, now: datetime | None = None) -> int:
 
 
 def workers_finish_drains() -> int:
-    """Draining workers that no live router has a request in flight on become drained."""
+    """A draining worker becomes drained once every live router has reported from a
+    snapshot that knows of the drain, with nothing in flight on that worker."""
     draining = list(Worker.objects.filter(state=WorkerState.DRAINING))
     if not draining:
         return 0
-    busy = _workers_busy_in_any_router()
+    routers = list(RouterInstance.live(ROUTER_LIVENESS).values_list("generation", "inflight"))
     finished = 0
     for worker in draining:
-        if worker.pk in busy:
+        if not _drain_complete(worker, routers):
             continue
         with transaction.atomic():
             if Worker.objects.filter(pk=worker.pk, state=WorkerState.DRAINING).update(
@@ -359,15 +364,22 @@ def workers_finish_drains() -> int:
     return finished
 
 
-def _workers_busy_in_any_router() -> set[int]:
-    busy: set[int] = set()
-    for inflight in RouterInstance.live(ROUTER_LIVENESS).values_list("inflight", flat=True):
-        busy.update(int(worker_id) for worker_id, count in inflight.items() if count > 0)
-    return busy
+def _drain_complete(worker: Worker, routers: list[tuple[int, dict[str, int]]]) -> bool:
+    needed = worker.drain_generation or 0
+    return all(
+        generation >= needed and not inflight.get(str(worker.pk))
+        for generation, inflight in routers
+    )
 
 
 def router_report(
-    *, instance_id: str, hostname: str, pid: int, started_at: datetime, inflight: dict[int, int]
+    *,
+    instance_id: str,
+    hostname: str,
+    pid: int,
+    started_at: datetime,
+    generation: int,
+    inflight: dict[int, int],
 ) -> None:
     """A router says it is alive and what it has in flight; drains may then finish."""
     RouterInstance.objects.update_or_create(
@@ -378,6 +390,7 @@ def router_report(
             "started_at": started_at,
             "last_seen": timezone.now(),
             "inflight": {str(k): v for k, v in inflight.items() if v},
+            "generation": generation,
         },
     )
     RouterInstance.objects.filter(last_seen__lt=timezone.now() - ROUTER_LIVENESS * 20).delete()

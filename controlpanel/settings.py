@@ -10,8 +10,12 @@ import secrets
 from pathlib import Path
 
 import dj_database_url
+import django_stubs_ext
 
 from controlpanel.envconf import env_bool, env_float, env_int, env_str, env_token, env_url
+
+# Lets admin classes be written ModelAdmin[Worker] at run time, as the type checker wants.
+django_stubs_ext.monkeypatch()
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("CONTROLPANEL_VAR_DIR", str(BASE_DIR / "var")))
@@ -102,8 +106,9 @@ if REDIS_URL:
             "CONFIG": {"hosts": [REDIS_URL]},
         }
     }
-    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
-                          "LOCATION": REDIS_URL}}
+    CACHES = {
+        "default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}
+    }
     CELERY_BROKER_URL = REDIS_URL
     CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {}
 else:

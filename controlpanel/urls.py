@@ -15,8 +15,14 @@ def handler404(request: HttpRequest, exception: Exception) -> HttpResponse:
     """API clients get JSON in the OpenAI error shape, browsers the usual page."""
     if request.path.startswith("/api/"):
         return JsonResponse(
-            {"error": {"message": f"no route {request.path}", "type": "NotFoundError",
-                       "param": None, "code": 404}},
+            {
+                "error": {
+                    "message": f"no route {request.path}",
+                    "type": "NotFoundError",
+                    "param": None,
+                    "code": 404,
+                }
+            },
             status=404,
         )
     return page_not_found(request, exception)

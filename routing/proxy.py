@@ -264,7 +264,7 @@ class RouterApp:
             upstream = await session.post(
                 url, data=body, headers=_request_headers(scope["headers"]), allow_redirects=False
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await _respond_error(send, 504, f"worker {worker.name} did not answer in time")
             return False
         except aiohttp.ClientError as exc:
@@ -296,7 +296,7 @@ class RouterApp:
         try:
             while chunk := await content.readany():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("stream from %s broke: %r", worker.name, exc)
             await self._end_broken_stream(send, upstream, worker, exc)
             return False
@@ -397,7 +397,7 @@ async def _respond(
     body: bytes,
     extra_headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
-    headers = _JSON_HEADERS + [(b"content-length", str(len(body)).encode())]
+    headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]
     if extra_headers:
         headers += extra_headers
     await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -8,20 +8,22 @@ router keeps serving from its last snapshot and /health says it is degraded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
-from collections.abc import Callable
 
 from routing.proxy import RouterApp
 from routing.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+LIFE_SIGN_SECONDS = 5.0
 
 
 class SnapshotSource(Protocol):
@@ -36,6 +38,7 @@ class SnapshotSource(Protocol):
         hostname: str,
         pid: int,
         started_at: float,
+        generation: int,
         inflight: dict[int, int],
     ) -> None: ...
 
@@ -64,6 +67,7 @@ class SnapshotRefresher:
         self._task: asyncio.Task[None] | None = None
         self._last_report = 0.0
         self._last_reported: dict[int, int] | None = None
+        self._last_generation: int | None = None
         self._last_error_log = 0.0
 
     async def start(self) -> None:
@@ -73,13 +77,11 @@ class SnapshotRefresher:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         try:
             await self._run(self.source.forget, instance_id=self.instance_id)
-        except Exception:  # noqa: BLE001 - shutting down; the row expires by itself
+        except Exception:
             log.debug("could not deregister router instance", exc_info=True)
         self._executor.shutdown(wait=False)
 
@@ -105,10 +107,18 @@ class SnapshotRefresher:
             self.router.snapshot = await self._run(self.source.load)
 
     async def _report_inflight(self) -> None:
+        """Report at once when the snapshot moved (a drain waits for exactly that), soon
+        when in-flight counts changed, and every few seconds as a sign of life."""
         now = time.time()
+        # Read together, with no await between: these counts belong to this snapshot.
+        generation = self.router.snapshot.generation
         inflight = {k: v for k, v in self.router.inflight.items() if v}
-        changed = inflight != self._last_reported
-        due = now - self._last_report >= (self.report_interval if changed else 5.0)
+        since = now - self._last_report
+        due = (
+            generation != self._last_generation
+            or (inflight != self._last_reported and since >= self.report_interval)
+            or since >= LIFE_SIGN_SECONDS
+        )
         if not due:
             return
         await self._run(
@@ -117,9 +127,11 @@ class SnapshotRefresher:
             hostname=socket.gethostname(),
             pid=os.getpid(),
             started_at=self.router.started_at,
+            generation=generation,
             inflight=inflight,
         )
         self._last_report, self._last_reported = now, inflight
+        self._last_generation = generation
 
     async def _run(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()

@@ -124,7 +124,7 @@ def _routable_model_entries(workers: tuple[WorkerView, ...]) -> list[ModelEntry]
 def _models_payload(entries: list[ModelEntry]) -> bytes:
     """vLLM's own /v1/models shape, so SDKs and tools see one big vLLM."""
     now = int(time.time())
-    data = [
+    data: list[dict[str, Any]] = [
         {
             "id": e.id,
             "object": "model",

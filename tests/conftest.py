@@ -59,7 +59,9 @@ def subprocess_env(var_dir: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def wait_until(predicate: Callable[[], Any], *, timeout: float = 10.0, interval: float = 0.05) -> Any:
+def wait_until(
+    predicate: Callable[[], Any], *, timeout: float = 10.0, interval: float = 0.05
+) -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -99,7 +101,16 @@ class RouterServer:
         return {w["id"]: w for w in self.get("/list_workers").json()["workers"]}
 
     def wait_for(self, predicate: Callable[[dict[int, dict[str, Any]]], bool]) -> None:
-        wait_until(lambda: predicate(self.workers()))
+        """Wait until the router's view satisfies the predicate; a worker the router does
+        not know yet (KeyError) just means "not yet"."""
+
+        def check() -> bool:
+            try:
+                return predicate(self.workers())
+            except KeyError:
+                return False
+
+        wait_until(check)
 
     def wait_routable(self, *workers: Worker) -> None:
         ids = {w.pk for w in workers}
@@ -113,8 +124,17 @@ def start_router(var_dir: Path, **env: str) -> RouterServer:
     port = free_port()
     log_path = var_dir / f"router-{port}.log"
     command = [
-        sys.executable, "-m", "uvicorn", "controlpanel.asgi:application",
-        "--host", "127.0.0.1", "--port", str(port), "--lifespan", "on", "--no-access-log",
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "controlpanel.asgi:application",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--lifespan",
+        "on",
+        "--no-access-log",
     ]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -199,3 +219,7 @@ def add_worker(router: RouterServer) -> Callable[..., Worker]:
         return worker
 
     return add
+
+
+StartSimulator = Callable[..., RunningSimulator]
+AddWorker = Callable[..., Worker]

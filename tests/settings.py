@@ -15,8 +15,8 @@ os.environ.setdefault("CONTROLPANEL_UPSTREAM_CONNECT_TIMEOUT", "2")
 os.environ.setdefault("CONTROLPANEL_MAX_BODY_BYTES", str(1024 * 1024))
 os.environ.setdefault("CONTROLPANEL_DISCOVERY_TIMEOUT", "2")
 
-from controlpanel.settings import *  # noqa: E402,F403
-from controlpanel.settings import DATABASES, VAR_DIR  # noqa: E402
+from controlpanel.settings import *  # noqa: F403
+from controlpanel.settings import DATABASES, VAR_DIR
 
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # A file, not memory: the router subprocess must open the same test database.

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from controlpanel import services
-from tests.conftest import RouterServer
+from tests.conftest import AddWorker, RouterServer, StartSimulator
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -18,7 +18,9 @@ def slow_chat(router: RouterServer) -> int:
     return httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=20).status_code
 
 
-def test_concurrent_requests_spread_evenly(router: RouterServer, simulator, add_worker) -> None:  # type: ignore[no-untyped-def]
+def test_concurrent_requests_spread_evenly(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
     sims = [simulator("m", ttft_ms=400, itl_ms=1, max_batch=64) for _ in range(3)]
     for sim in sims:
         add_worker(sim)
@@ -31,7 +33,9 @@ def test_concurrent_requests_spread_evenly(router: RouterServer, simulator, add_
     assert counts[-1] - counts[0] <= 2, counts
 
 
-def test_reported_queue_length_steers_traffic_away(router: RouterServer, simulator, add_worker) -> None:  # type: ignore[no-untyped-def]
+def test_reported_queue_length_steers_traffic_away(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
     busy_sim, idle_sim = simulator("m"), simulator("m")
     busy = add_worker(busy_sim)
     add_worker(idle_sim)

@@ -9,7 +9,15 @@ import pytest
 
 from controlpanel.agent import Agent
 from controlpanel.models import Event, Worker
-from tests.conftest import ADMIN_HEADERS, AGENT_HEADERS, RouterServer, free_port, wait_until
+from tests.conftest import (
+    ADMIN_HEADERS,
+    AGENT_HEADERS,
+    AddWorker,
+    RouterServer,
+    StartSimulator,
+    free_port,
+    wait_until,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -25,15 +33,17 @@ def test_admin_api_needs_the_admin_token(router: RouterServer) -> None:
 
 
 def test_agent_api_needs_the_worker_token(router: RouterServer) -> None:
-    response = router.post("/api/workers/register", json={"url": "http://127.0.0.1:1"},
-                           headers=ADMIN_HEADERS)
+    response = router.post(
+        "/api/workers/register", json={"url": "http://127.0.0.1:1"}, headers=ADMIN_HEADERS
+    )
     assert response.status_code == 401
 
 
-def test_add_get_drain_activate_remove(router: RouterServer, simulator) -> None:  # type: ignore[no-untyped-def]
+def test_add_get_drain_activate_remove(router: RouterServer, simulator: StartSimulator) -> None:
     sim = simulator("m", loras=("lora-a",))
-    created = router.post("/api/workers", json={"url": sim.url + "/v1/", "name": "gpu-1"},
-                          headers=ADMIN_HEADERS)
+    created = router.post(
+        "/api/workers", json={"url": sim.url + "/v1/", "name": "gpu-1"}, headers=ADMIN_HEADERS
+    )
     assert created.status_code == 201, created.text
     worker = created.json()
     assert worker["url"] == sim.url  # normalised
@@ -49,7 +59,10 @@ def test_add_get_drain_activate_remove(router: RouterServer, simulator) -> None:
     drained = router.post(f"/api/workers/{wid}/drain", headers=ADMIN_HEADERS).json()
     assert drained["state"] in ("draining", "drained")
     router.wait_for(lambda seen: seen[wid]["state"] == "drained")
-    assert router.post(f"/api/workers/{wid}/activate", headers=ADMIN_HEADERS).json()["state"] == "active"
+    assert (
+        router.post(f"/api/workers/{wid}/activate", headers=ADMIN_HEADERS).json()["state"]
+        == "active"
+    )
     router.wait_for(lambda seen: seen[wid]["routable"])
 
     assert router.get(f"/api/workers/{wid}", headers=ADMIN_HEADERS).status_code == 200
@@ -58,8 +71,13 @@ def test_add_get_drain_activate_remove(router: RouterServer, simulator) -> None:
     assert router.get(f"/api/workers/{wid}", headers=ADMIN_HEADERS).status_code == 404
     router.wait_for(lambda seen: wid not in seen)
     kinds = list(Event.objects.order_by("id").values_list("kind", flat=True))
-    assert kinds == ["worker_joined", "drain_started", "drain_finished", "worker_activated",
-                     "worker_left"]
+    assert kinds == [
+        "worker_joined",
+        "drain_started",
+        "drain_finished",
+        "worker_activated",
+        "worker_left",
+    ]
 
 
 @pytest.mark.parametrize("url", ["not a url", "ftp://host:1", "http://host:1/?q=1"])
@@ -74,17 +92,19 @@ def test_add_refuses_what_is_not_vllm(router: RouterServer) -> None:
     response = router.post("/api/workers", json={"url": router.url}, headers=ADMIN_HEADERS)
     assert response.status_code == 422
     assert response.json()["error"]["type"] == "NotAVllmServer"
-    unreachable = router.post("/api/workers", json={"url": f"http://127.0.0.1:{free_port()}"},
-                              headers=ADMIN_HEADERS)
+    unreachable = router.post(
+        "/api/workers", json={"url": f"http://127.0.0.1:{free_port()}"}, headers=ADMIN_HEADERS
+    )
     assert unreachable.status_code == 422
     assert unreachable.json()["error"]["type"] == "WorkerUnreachable"
 
 
-def test_register_is_idempotent_and_returns_the_interval(router: RouterServer, simulator) -> None:  # type: ignore[no-untyped-def]
+def test_register_is_idempotent_and_returns_the_interval(
+    router: RouterServer, simulator: StartSimulator
+) -> None:
     sim = simulator("m")
     first = router.post("/api/workers/register", json={"url": sim.url}, headers=AGENT_HEADERS)
-    again = router.post("/api/workers/register", json={"url": sim.url + "/"},
-                        headers=AGENT_HEADERS)
+    again = router.post("/api/workers/register", json={"url": sim.url + "/"}, headers=AGENT_HEADERS)
     assert first.status_code == again.status_code == 200
     assert first.json()["id"] == again.json()["id"]
     assert first.json()["heartbeat_interval"] == 1  # expiry 3 s in tests, beat every third
@@ -92,7 +112,9 @@ def test_register_is_idempotent_and_returns_the_interval(router: RouterServer, s
     assert Worker.objects.get().source == "agent"
 
 
-def test_register_with_models_given_by_the_agent(router: RouterServer, simulator) -> None:  # type: ignore[no-untyped-def]
+def test_register_with_models_given_by_the_agent(
+    router: RouterServer, simulator: StartSimulator
+) -> None:
     sim = simulator("m")
     body = {"url": sim.url, "models": ["m", {"id": "m-lora", "parent": "m"}]}
     response = router.post("/api/workers/register", json=body, headers=AGENT_HEADERS)
@@ -106,22 +128,28 @@ def test_heartbeat_for_unknown_worker_is_404(router: RouterServer) -> None:
     assert response.json()["error"]["type"] == "NotFoundError"
 
 
-def test_heartbeat_rejects_a_negative_queue(router: RouterServer, simulator) -> None:  # type: ignore[no-untyped-def]
+def test_heartbeat_rejects_a_negative_queue(
+    router: RouterServer, simulator: StartSimulator
+) -> None:
     sim = simulator("m")
-    wid = router.post("/api/workers/register", json={"url": sim.url},
-                      headers=AGENT_HEADERS).json()["id"]
-    response = router.post(f"/api/workers/{wid}/heartbeat", json={"queue_length": -1},
-                           headers=AGENT_HEADERS)
+    wid = router.post("/api/workers/register", json={"url": sim.url}, headers=AGENT_HEADERS).json()[
+        "id"
+    ]
+    response = router.post(
+        f"/api/workers/{wid}/heartbeat", json={"queue_length": -1}, headers=AGENT_HEADERS
+    )
     assert response.status_code == 422
 
 
-def test_heartbeat_expiry_and_return(router: RouterServer, simulator) -> None:  # type: ignore[no-untyped-def]
+def test_heartbeat_expiry_and_return(router: RouterServer, simulator: StartSimulator) -> None:
     sim = simulator("m")
-    wid = router.post("/api/workers/register", json={"url": sim.url},
-                      headers=AGENT_HEADERS).json()["id"]
+    wid = router.post("/api/workers/register", json={"url": sim.url}, headers=AGENT_HEADERS).json()[
+        "id"
+    ]
     router.wait_for(lambda seen: seen[wid]["routable"])
-    beat = router.post(f"/api/workers/{wid}/heartbeat", json={"queue_length": 7},
-                       headers=AGENT_HEADERS)
+    beat = router.post(
+        f"/api/workers/{wid}/heartbeat", json={"queue_length": 7}, headers=AGENT_HEADERS
+    )
     assert beat.status_code == 200
     router.wait_for(lambda seen: seen[wid]["queue_length"] == 7)
     # No beat for longer than the 3 s expiry: the router stops sending it requests.
@@ -133,10 +161,16 @@ def test_heartbeat_expiry_and_return(router: RouterServer, simulator) -> None:  
     assert router.post("/v1/completions", json=body).status_code == 200
 
 
-def test_agent_registers_again_after_the_controller_forgets(router: RouterServer, simulator) -> None:  # type: ignore[no-untyped-def]
+def test_agent_registers_again_after_the_controller_forgets(
+    router: RouterServer, simulator: StartSimulator
+) -> None:
     sim = simulator("m")
-    agent = Agent(controller=router.url, worker_url=sim.url,
-                  token=AGENT_HEADERS["Authorization"][7:], interval=0.2)
+    agent = Agent(
+        controller=router.url,
+        worker_url=sim.url,
+        token=AGENT_HEADERS["Authorization"][7:],
+        interval=0.2,
+    )
     agent.step()
     first_id = agent.worker_id
     assert first_id is not None
@@ -148,7 +182,9 @@ def test_agent_registers_again_after_the_controller_forgets(router: RouterServer
     assert worker.url == sim.url and worker.model_ids == ["m"]
 
 
-def test_drain_lets_the_stream_finish_and_sends_nothing_new(router: RouterServer, simulator, add_worker) -> None:  # type: ignore[no-untyped-def]
+def test_drain_lets_the_stream_finish_and_sends_nothing_new(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
     draining_sim, other_sim = simulator("m", itl_ms=100), simulator("m")
     draining = add_worker(draining_sim)
     add_worker(other_sim)
@@ -169,8 +205,9 @@ def test_drain_lets_the_stream_finish_and_sends_nothing_new(router: RouterServer
     wait_until(lambda: draining_sim.state.running == 1)
     router.post(f"/api/workers/{other.pk}/activate", headers=ADMIN_HEADERS)
     router.post(f"/api/workers/{draining.pk}/drain", headers=ADMIN_HEADERS)
-    router.wait_for(lambda seen: seen[draining.pk]["state"] == "draining"
-                    and seen[other.pk]["routable"])
+    router.wait_for(
+        lambda seen: seen[draining.pk]["state"] == "draining" and seen[other.pk]["routable"]
+    )
     received_before = draining_sim.state.received
     for _ in range(5):
         assert router.post("/v1/completions", json={"model": "m", "prompt": "y"}).status_code == 200

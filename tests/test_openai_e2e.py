@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
+
+from controlpanel.models import Worker
+from routing.simulator import RunningSimulator
+from tests.conftest import AddWorker, RouterServer, StartSimulator
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+Fleet = tuple[list[RunningSimulator], list[Worker]]
+
+
 @pytest.fixture
-def fleet(simulator, add_worker):  # type: ignore[no-untyped-def]
+def fleet(simulator: StartSimulator, add_worker: AddWorker) -> Fleet:
     sims = [simulator("llama", loras=("sql-lora",)), simulator("llama"), simulator("embedder")]
     workers = [add_worker(sim) for sim in sims]
     return sims, workers
 
 
-def test_chat_completion(client, fleet) -> None:  # type: ignore[no-untyped-def]
+def test_chat_completion(client: openai.OpenAI, fleet: Fleet) -> None:
     reply = client.chat.completions.create(
         model="llama", messages=[{"role": "user", "content": "hello there"}], max_tokens=5
     )
@@ -25,7 +33,7 @@ def test_chat_completion(client, fleet) -> None:  # type: ignore[no-untyped-def]
     assert reply.usage.completion_tokens == 5
 
 
-def test_chat_completion_stream_with_usage(client, fleet) -> None:  # type: ignore[no-untyped-def]
+def test_chat_completion_stream_with_usage(client: openai.OpenAI, fleet: Fleet) -> None:
     stream = client.chat.completions.create(
         model="llama",
         messages=[{"role": "user", "content": "tell me a story"}],
@@ -40,7 +48,7 @@ def test_chat_completion_stream_with_usage(client, fleet) -> None:  # type: igno
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
 
 
-def test_completion_plain_and_streamed(client, fleet) -> None:  # type: ignore[no-untyped-def]
+def test_completion_plain_and_streamed(client: openai.OpenAI, fleet: Fleet) -> None:
     plain = client.completions.create(model="llama", prompt="once upon a time", max_tokens=4)
     assert len(plain.choices[0].text.split()) == 4
     streamed = list(
@@ -52,7 +60,7 @@ def test_completion_plain_and_streamed(client, fleet) -> None:  # type: ignore[n
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
-def test_lora_adapter_is_routed_to_its_worker(client, fleet) -> None:  # type: ignore[no-untyped-def]
+def test_lora_adapter_is_routed_to_its_worker(client: openai.OpenAI, fleet: Fleet) -> None:
     sims, _ = fleet
     for _ in range(5):
         reply = client.chat.completions.create(
@@ -63,14 +71,16 @@ def test_lora_adapter_is_routed_to_its_worker(client, fleet) -> None:  # type: i
     assert sims[1].state.completed == 0
 
 
-def test_embeddings(client, fleet) -> None:  # type: ignore[no-untyped-def]
+def test_embeddings(client: openai.OpenAI, fleet: Fleet) -> None:
     result = client.embeddings.create(model="embedder", input=["a", "b c"])
     assert [d.index for d in result.data] == [0, 1]
     assert len(result.data[0].embedding) > 0
     assert fleet[0][2].state.completed == 1
 
 
-def test_models_list_merges_workers_with_lora_parent(client, router, fleet) -> None:  # type: ignore[no-untyped-def]
+def test_models_list_merges_workers_with_lora_parent(
+    client: openai.OpenAI, router: RouterServer, fleet: Fleet
+) -> None:
     ids = [m.id for m in client.models.list()]
     assert sorted(ids) == ["embedder", "llama", "sql-lora"]  # each id once
     raw = {m["id"]: m for m in router.get("/v1/models").json()["data"]}

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from controlpanel.models import RoutingGeneration, ServedModel, Worker, WorkerSource
-from tests.conftest import RouterServer, free_port
+from tests.conftest import AddWorker, RouterServer, StartSimulator, free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -42,8 +42,15 @@ def fake_worker(url: str, model: str = "m") -> Worker:
 
 @pytest.mark.parametrize(
     "body",
-    [b"{not json", b"", b"[1, 2]", b'"text"', b'{"messages": []}', b'{"model": 42}',
-     b'{"model": ""}'],
+    [
+        b"{not json",
+        b"",
+        b"[1, 2]",
+        b'"text"',
+        b'{"messages": []}',
+        b'{"model": 42}',
+        b'{"model": ""}',
+    ],
 )
 def test_bad_bodies_get_400(router: RouterServer, body: bytes) -> None:
     response = router.post("/v1/chat/completions", content=body)
@@ -61,7 +68,9 @@ def test_openai_client_sees_not_found(client: openai.OpenAI) -> None:
         client.chat.completions.create(model="absent", messages=[{"role": "user", "content": "x"}])
 
 
-def test_known_model_without_routable_worker_gets_503(router: RouterServer, simulator, add_worker) -> None:  # type: ignore[no-untyped-def]
+def test_known_model_without_routable_worker_gets_503(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
     worker = add_worker(simulator("m"))
     Worker.objects.filter(pk=worker.pk).update(state="drained")
     RoutingGeneration.bump()
@@ -91,7 +100,9 @@ def resetting_server() -> Iterator[str]:
             except TimeoutError:
                 continue
             conn.recv(65536)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            conn.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+            )
             conn.close()
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -108,7 +119,9 @@ def test_reset_before_response_gets_502(router: RouterServer, resetting_server: 
     assert_openai_error(chat(router), 502)
 
 
-def test_upstream_timeout_before_first_byte_gets_504(router: RouterServer, simulator, add_worker) -> None:  # type: ignore[no-untyped-def]
+def test_upstream_timeout_before_first_byte_gets_504(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
     add_worker(simulator("m"))
     # The test router's first-byte limit is 3 s (tests/settings.py).
     response = router.post(
@@ -140,7 +153,9 @@ def test_wrong_method_and_unknown_path(router: RouterServer) -> None:
     assert_openai_error(router.get("/v1/nothing-here"), 404)
 
 
-def test_upstream_error_status_is_relayed_as_sent(router: RouterServer, simulator, add_worker) -> None:  # type: ignore[no-untyped-def]
+def test_upstream_error_status_is_relayed_as_sent(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
     sim = simulator("m")
     add_worker(sim)
     response = chat(router, max_tokens=0)

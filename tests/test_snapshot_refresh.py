@@ -7,19 +7,22 @@ import time
 import pytest
 
 from controlpanel import services
-from tests.conftest import RouterServer, wait_until
+from tests.conftest import AddWorker, RouterServer, StartSimulator, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def seconds_until_router_sees(router: RouterServer, worker_id: int, state: str) -> float:
     started = time.monotonic()
-    wait_until(lambda: router.workers().get(worker_id, {}).get("state") == state, timeout=5,
-               interval=0.02)
+    wait_until(
+        lambda: router.workers().get(worker_id, {}).get("state") == state, timeout=5, interval=0.02
+    )
     return time.monotonic() - started
 
 
-def test_changes_from_this_process_reach_the_router_subprocess(router: RouterServer, simulator, add_worker) -> None:  # type: ignore[no-untyped-def]
+def test_changes_from_this_process_reach_the_router_subprocess(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
     worker = add_worker(simulator("m"))
     delays = []
     for _ in range(3):
@@ -31,12 +34,18 @@ def test_changes_from_this_process_reach_the_router_subprocess(router: RouterSer
     assert max(delays) < 1.0, delays
 
 
-def test_new_model_becomes_routable_without_restart(router: RouterServer, simulator) -> None:  # type: ignore[no-untyped-def]
+def test_new_model_becomes_routable_without_restart(
+    router: RouterServer, simulator: StartSimulator
+) -> None:
     assert router.post("/v1/completions", json={"model": "late", "prompt": "x"}).status_code == 404
     sim = simulator("late")
     services.worker_add(url=sim.url, actor="test")
     started = time.monotonic()
-    wait_until(lambda: router.post("/v1/completions",
-                                   json={"model": "late", "prompt": "x"}).status_code == 200,
-               timeout=5, interval=0.02)
+    wait_until(
+        lambda: (
+            router.post("/v1/completions", json={"model": "late", "prompt": "x"}).status_code == 200
+        ),
+        timeout=5,
+        interval=0.02,
+    )
     assert time.monotonic() - started < 1.0

@@ -25,7 +25,8 @@ def policy_class(name: str) -> type[BasePolicy]:
     try:
         dotted = POLICIES[name]
     except KeyError:
-        raise UnknownPolicy(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+        known = ", ".join(sorted(POLICIES))
+        raise UnknownPolicy(f"unknown policy {name!r}; known: {known}") from None
     module_name, _, class_name = dotted.rpartition(".")
     cls: type[BasePolicy] = getattr(importlib.import_module(module_name), class_name)
     return cls
@@ -41,4 +42,4 @@ def make_policy(name: str, config: Mapping[str, Any] | None = None) -> BasePolic
         return policy_class(DEFAULT_POLICY)(config)
 
 
-__all__ = ["POLICIES", "DEFAULT_POLICY", "Policy", "RequestInfo", "make_policy", "policy_class"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "Policy", "RequestInfo", "make_policy", "policy_class"]

@@ -7,6 +7,7 @@ Hooks let a stateful policy learn from traffic; they do nothing unless overridde
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -38,7 +39,7 @@ class Policy(Protocol):
     def on_request_complete(self, worker: WorkerView, request: RequestInfo, ok: bool) -> None: ...
 
 
-class BasePolicy:
+class BasePolicy(ABC):
     """No-op hooks, so a simple policy only writes select()."""
 
     name: ClassVar[str] = ""
@@ -46,6 +47,12 @@ class BasePolicy:
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config = dict(config or {})
+
+    @abstractmethod
+    def select(
+        self, workers: Sequence[WorkerView], request: RequestInfo, inflight: Mapping[int, int]
+    ) -> WorkerView | None:
+        """Pick one of `workers` (all routable) or None when none should take the request."""
 
     def on_request_start(self, worker: WorkerView, request: RequestInfo) -> None:
         return None

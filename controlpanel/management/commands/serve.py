@@ -84,23 +84,61 @@ class Command(BaseCommand):
         ]
         self._spawn(
             "uvicorn",
-            [python, "-m", "uvicorn", "controlpanel.asgi:application",
-             "--host", options["host"], "--port", str(options["port"]),
-             "--lifespan", "on", "--no-access-log", "--timeout-graceful-shutdown", "30"],
+            [
+                python,
+                "-m",
+                "uvicorn",
+                "controlpanel.asgi:application",
+                "--host",
+                options["host"],
+                "--port",
+                str(options["port"]),
+                "--lifespan",
+                "on",
+                "--no-access-log",
+                "--timeout-graceful-shutdown",
+                "30",
+            ],
         )
         if not options["no_celery"]:
             self._spawn(
                 "celery",
-                [python, "-m", "celery", "-A", "controlpanel", "worker", "--beat",
-                 "--pool", "threads", "--concurrency", "4", "--loglevel", "INFO"],
+                [
+                    python,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "controlpanel",
+                    "worker",
+                    "--beat",
+                    "--pool",
+                    "threads",
+                    "--concurrency",
+                    "4",
+                    "--loglevel",
+                    "INFO",
+                ],
             )
         for url in demo_urls:
             self._register_demo_worker(url)
 
     def _spawn_simulator(self, python: str, manage: str, index: int, port: int) -> str:
         model, loras = DEMO_MODELS[index % len(DEMO_MODELS)]
-        command = [python, manage, "simulate_vllm", "--port", str(port), "--model", model,
-                   "--ttft-ms", "40", "--itl-ms", "15", "--max-batch", "4"]
+        command = [
+            python,
+            manage,
+            "simulate_vllm",
+            "--port",
+            str(port),
+            "--model",
+            model,
+            "--ttft-ms",
+            "40",
+            "--itl-ms",
+            "15",
+            "--max-batch",
+            "4",
+        ]
         for lora in loras:
             command += ["--lora", lora]
         self._spawn(f"sim-{index + 1}", command)

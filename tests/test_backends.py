@@ -1,0 +1,55 @@
+"""The configured shared backends really work: embedded ones by default, PostgreSQL and
+Redis when DATABASE_URL and REDIS_URL say so (the second CI tier)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.core.cache import cache
+from django.db import connection
+
+
+def test_database_engine_follows_database_url() -> None:
+    url = os.environ.get("DATABASE_URL", "sqlite")
+    expected = "postgresql" if url.startswith(("postgres", "pgsql")) else "sqlite"
+    assert connection.vendor == expected
+
+
+def test_redis_url_switches_channel_layer_broker_and_cache() -> None:
+    layer_backend = settings.CHANNEL_LAYERS["default"]["BACKEND"]
+    cache_backend = settings.CACHES["default"]["BACKEND"]
+    if os.environ.get("REDIS_URL"):
+        assert layer_backend == "channels_redis.core.RedisChannelLayer"
+        assert cache_backend == "django.core.cache.backends.redis.RedisCache"
+        assert os.environ["REDIS_URL"] == settings.CELERY_BROKER_URL
+    else:
+        assert layer_backend == "channels.layers.InMemoryChannelLayer"
+        assert settings.CELERY_BROKER_URL == "filesystem://"
+
+
+def test_channel_layer_round_trip() -> None:
+    layer = get_channel_layer()
+    assert layer is not None
+    channel = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.send)(channel, {"type": "probe", "value": 42})
+    assert async_to_sync(layer.receive)(channel) == {"type": "probe", "value": 42}
+
+
+def test_shared_cache_round_trip() -> None:
+    key = f"probe-{uuid.uuid4().hex}"
+    cache.set(key, {"n": 1}, timeout=30)
+    assert cache.get(key) == {"n": 1}
+
+
+@pytest.mark.django_db
+def test_database_round_trip() -> None:
+    from controlpanel.models import RoutingGeneration
+
+    RoutingGeneration.bump()
+    RoutingGeneration.bump()
+    assert RoutingGeneration.current() == 2

@@ -1,0 +1,69 @@
+"""A real Celery worker with beat (filesystem broker by default, Redis when REDIS_URL is set)
+runs the housekeeping that marks silent agents' workers offline."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controlpanel.models import Event, Worker, WorkerSource
+from tests.conftest import (
+    ROOT,
+    RouterServer,
+    StartSimulator,
+    stop_process,
+    subprocess_env,
+    wait_until,
+)
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def celery_worker(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    log_path = tmp_path / "celery.log"
+    command = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "controlpanel",
+        "worker",
+        "--beat",
+        "--pool",
+        "threads",
+        "--concurrency",
+        "2",
+        "--loglevel",
+        "INFO",
+        "--schedule",
+        str(tmp_path / "beat-schedule"),
+    ]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=subprocess_env(tmp_path), stdout=log, stderr=subprocess.STDOUT
+        )
+    yield proc
+    stop_process(proc)
+    print(log_path.read_text(errors="replace")[-3000:])
+
+
+def test_celery_marks_a_silent_agent_worker_offline(
+    celery_worker: subprocess.Popen[bytes], router: RouterServer, simulator: StartSimulator
+) -> None:
+    from controlpanel import services
+
+    sim = simulator("m")
+    worker = services.worker_register(url=sim.url)
+    assert worker.source == WorkerSource.AGENT
+    # Expiry is 3 s in the tests and beat runs the sweep every 0.5 s.
+    wait_until(lambda: Worker.objects.get(pk=worker.pk).state == "offline", timeout=30)
+    event = Event.objects.get(kind="worker_offline")
+    assert event.actor == "heartbeat-expiry" and event.worker_id == worker.pk
+    assert celery_worker.poll() is None
+    services.worker_heartbeat(worker_id=worker.pk)
+    assert Worker.objects.get(pk=worker.pk).state == "active"

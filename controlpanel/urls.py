@@ -3,9 +3,11 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import path
 from django.views.defaults import page_not_found
 
+from controlpanel import views
 from controlpanel.api import api
 
 urlpatterns = [
+    path("", views.fleet, name="fleet"),
     path("admin/", admin.site.urls),
     path("api/", api.urls),
 ]

@@ -51,6 +51,27 @@ MODEL_ROUTES = frozenset(
     }
 )
 SEED_ROUTES = frozenset({"/list_models", "/list_workers", "/health"})
+# vLLM's administrative and dev-mode endpoints: answered here with a 404 so that no client
+# can ever put a worker to sleep or reset its cache through the public router.
+PRIVATE_ROUTES = frozenset(
+    {
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
+        "/reset_prefix_cache",
+        "/reset_mm_cache",
+        "/collective_rpc",
+        "/start_profile",
+        "/stop_profile",
+        "/pause",
+        "/resume",
+        "/is_paused",
+        "/update_weights",
+        "/scale_elastic_ep",
+        "/server_info",
+        "/invocations",
+    }
+)
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) describe one connection, not the message.
 HOP_BY_HOP = frozenset(
@@ -85,7 +106,12 @@ class RouterConfig:
 
 def routes_here(path: str) -> bool:
     """True for every path the router serves; everything else goes to Django."""
-    return path.startswith("/v1/") or path in MODEL_ROUTES or path in SEED_ROUTES
+    return (
+        path.startswith("/v1/")
+        or path in MODEL_ROUTES
+        or path in SEED_ROUTES
+        or path in PRIVATE_ROUTES
+    )
 
 
 class RouterApp:
@@ -146,6 +172,8 @@ class RouterApp:
             return await _respond_error(send, 405, f"{method} is not allowed on {path}")
         if path == "/v1/models":
             return await _respond(send, 200, self.snapshot.models_payload)
+        if path.startswith("/v1/models/"):
+            return await self._model_detail(send, path.removeprefix("/v1/models/"))
         if path == "/list_models":
             return await _respond(send, 200, self.snapshot.list_models_payload)
         if path == "/list_workers":
@@ -153,6 +181,14 @@ class RouterApp:
         if path == "/health":
             return await _respond(send, 200, orjson.dumps(self.health()))
         await _respond_error(send, 404, f"no route {path}")
+
+    async def _model_detail(self, send: Send, model: str) -> None:
+        """GET /v1/models/{id}, which the SDKs' models.retrieve() calls. The ASGI path is
+        already percent-decoded, so ids with a slash (`org/model`) work as they are."""
+        entry = self.snapshot.model_entries.get(model)
+        if entry is None:
+            return await _respond_error(send, 404, f"The model `{model}` does not exist.", "model")
+        await _respond(send, 200, orjson.dumps(entry))
 
     # --- the proxy --------------------------------------------------------------------------
 

@@ -69,6 +69,7 @@ class Snapshot:
     # Pre-rendered at build time: /v1/models and /list_models cost nothing per request.
     models_payload: bytes
     list_models_payload: bytes
+    model_entries: Mapping[str, dict[str, Any]]  # id -> its /v1/models entry
 
     @classmethod
     def empty(cls) -> Snapshot:
@@ -102,13 +103,15 @@ def build_snapshot(
         for name, bucket in serving.items()
     }
     routable_entries = _routable_model_entries(workers)
+    entries = _model_list(routable_entries)
     return Snapshot(
         generation=generation,
         built_at=time.time() if now is None else now,
         workers=workers,
         routes=MappingProxyType(routes),
-        models_payload=_models_payload(routable_entries),
-        list_models_payload=orjson.dumps({"models": sorted(e.id for e in routable_entries)}),
+        models_payload=orjson.dumps({"object": "list", "data": entries}),
+        list_models_payload=orjson.dumps({"models": [e["id"] for e in entries]}),
+        model_entries=MappingProxyType({e["id"]: e for e in entries}),
     )
 
 
@@ -121,8 +124,8 @@ def _routable_model_entries(workers: tuple[WorkerView, ...]) -> list[ModelEntry]
     return list(seen.values())
 
 
-def _models_payload(entries: list[ModelEntry]) -> bytes:
-    """vLLM's own /v1/models shape, so SDKs and tools see one big vLLM."""
+def _model_list(entries: list[ModelEntry]) -> list[dict[str, Any]]:
+    """vLLM's own /v1/models entries, so SDKs and tools see one big vLLM."""
     now = int(time.time())
     data: list[dict[str, Any]] = [
         {
@@ -137,4 +140,4 @@ def _models_payload(entries: list[ModelEntry]) -> bytes:
         }
         for e in sorted(entries, key=lambda e: e.id)
     ]
-    return orjson.dumps({"object": "list", "data": data})
+    return data

@@ -88,3 +88,21 @@ def test_models_list_merges_workers_with_lora_parent(
     assert raw["llama"]["parent"] is None
     assert raw["llama"]["owned_by"] == "vllm"
     assert router.get("/list_models").json() == {"models": ["embedder", "llama", "sql-lora"]}
+
+
+def test_models_retrieve(client: openai.OpenAI, fleet: Fleet) -> None:
+    model = client.models.retrieve("sql-lora")
+    assert model.id == "sql-lora"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("absent")
+
+
+def test_model_ids_with_a_slash(
+    client: openai.OpenAI, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
+    add_worker(simulator("meta-llama/Llama-3.1-8B-Instruct"))
+    assert client.models.retrieve("meta-llama/Llama-3.1-8B-Instruct").id.endswith("Instruct")
+    reply = client.completions.create(
+        model="meta-llama/Llama-3.1-8B-Instruct", prompt="x", max_tokens=1
+    )
+    assert reply.model == "meta-llama/Llama-3.1-8B-Instruct"

@@ -161,3 +161,25 @@ def test_upstream_error_status_is_relayed_as_sent(
     response = chat(router, max_tokens=0)
     error = assert_openai_error(response, 400)
     assert error["param"] == "max_tokens"  # the simulator's own words, untouched
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/sleep",
+        "/wake_up",
+        "/reset_prefix_cache",
+        "/collective_rpc",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+    ],
+)
+def test_vllm_admin_endpoints_are_never_forwarded(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker, path: str
+) -> None:
+    sim = simulator("m")
+    add_worker(sim)
+    response = router.post(path, json={"model": "m", "lora_name": "x", "lora_path": "/x"})
+    assert response.status_code in (404, 405)
+    assert response.json()["error"]["code"] == response.status_code
+    assert not [r for r in sim.state.requests if r["path"] == path]

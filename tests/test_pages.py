@@ -1,0 +1,50 @@
+"""The operator's fleet page, served by the real ASGI server."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from django.contrib.auth import get_user_model
+
+from tests.conftest import AddWorker, RouterServer, StartSimulator
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def logged_in(router: RouterServer) -> httpx.Client:
+    get_user_model().objects.create_user("op", password="op-password-123", is_staff=True)
+    session = httpx.Client(base_url=router.url, timeout=10)
+    form = session.get("/admin/login/")
+    token = session.cookies["csrftoken"]
+    response = session.post(
+        "/admin/login/?next=/",
+        data={"username": "op", "password": "op-password-123", "csrfmiddlewaretoken": token},
+        headers={"Referer": f"{router.url}/admin/login/"},
+    )
+    assert form.status_code == 200 and response.status_code == 302
+    return session
+
+
+def test_fleet_page_needs_a_staff_login(router: RouterServer) -> None:
+    response = httpx.get(f"{router.url}/", follow_redirects=False)
+    assert response.status_code == 302 and "/admin/login/" in response.headers["location"]
+
+
+def test_fleet_page_lists_workers_models_and_events(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
+    worker = add_worker(simulator("llama", loras=("sql-lora",)), name="gpu-one")
+    session = logged_in(router)
+    page = session.get("/").text
+    assert f'data-worker-id="{worker.pk}"' in page
+    assert "gpu-one" in page and "sql-lora" in page and "LoRA adapter of llama" in page
+    assert "state-active" in page
+    assert "added with models llama, sql-lora" in page
+    css = session.get("/static/controlpanel/site.css")
+    assert css.status_code == 200 and "text/css" in css.headers["content-type"]
+    assert session.get("/static/admin/css/base.css").status_code == 200
+
+
+def test_api_docs_are_served(router: RouterServer) -> None:
+    assert httpx.get(f"{router.url}/api/openapi.json").json()["info"]["title"].startswith("vLLM")
+    assert httpx.get(f"{router.url}/api/docs").status_code == 200

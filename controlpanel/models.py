@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -113,7 +114,10 @@ class RoutingGeneration(models.Model):
     @classmethod
     def bump(cls) -> None:
         if not cls.objects.filter(pk=1).update(generation=F("generation") + 1):
-            cls.objects.get_or_create(pk=1, defaults={"generation": 1})
+            # A fresh row (new database, restored backup, flushed tables) starts at a random
+            # point, so a router can never mistake the new count for the one it last saw.
+            start = secrets.randbits(48)
+            cls.objects.get_or_create(pk=1, defaults={"generation": start})
 
     @classmethod
     def current(cls) -> int:

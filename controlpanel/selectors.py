@@ -12,7 +12,7 @@ from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
 from controlpanel import services
-from controlpanel.models import RoutingGeneration, ServedModel, Worker, WorkerState
+from controlpanel.models import RoutingGeneration, ServedModel, Worker, WorkerSource, WorkerState
 from routing.snapshot import ModelEntry, ServedModelInfo, Snapshot, WorkerView, build_snapshot
 
 P = ParamSpec("P")
@@ -55,8 +55,22 @@ def routing_snapshot_build() -> Snapshot:
         for m in ServedModel.objects.all()
     ]
     return build_snapshot(
-        workers=workers, served_models=served, generation=generation, now=now.timestamp()
+        workers=workers,
+        served_models=served,
+        generation=generation,
+        now=now.timestamp(),
+        valid_until=_first_heartbeat_deadline(workers),
     )
+
+
+def _first_heartbeat_deadline(workers: list[WorkerView]) -> float:
+    expiry = settings.CONTROLPANEL_HEARTBEAT_EXPIRY
+    deadlines = [
+        w.last_heartbeat + expiry
+        for w in workers
+        if w.routable and w.source == WorkerSource.AGENT and w.last_heartbeat is not None
+    ]
+    return min(deadlines, default=float("inf"))
 
 
 def _fresh_connection(func: Callable[P, T]) -> Callable[P, T]:

@@ -52,14 +52,13 @@ class SnapshotRefresher:
         source: SnapshotSource,
         *,
         poll_interval: float = 0.25,
-        max_age: float = 1.0,
+        max_age: float = 30.0,
         report_interval: float = 1.0,
     ) -> None:
         self.router = router
         self.source = source
         self.poll_interval = poll_interval
-        # Rebuild at least this often even with no change: heartbeat expiry is a matter of
-        # time passing, which no write announces.
+        # A rebuild at least this often, as a safety net under the generation counter.
         self.max_age = max_age
         self.report_interval = report_interval
         self.instance_id = uuid.uuid4().hex
@@ -103,8 +102,10 @@ class SnapshotRefresher:
     async def _refresh_snapshot(self) -> None:
         current = self.router.snapshot
         generation = await self._run(self.source.generation)
-        if generation != current.generation or time.time() - current.built_at >= self.max_age:
-            self.router.snapshot = await self._run(self.source.load)
+        now = time.time()
+        stale = now >= current.valid_until or now - current.built_at >= self.max_age
+        if generation != current.generation or stale:
+            self.router.install(await self._run(self.source.load))
 
     async def _report_inflight(self) -> None:
         """Report at once when the snapshot moved (a drain waits for exactly that), soon

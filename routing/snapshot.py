@@ -70,6 +70,9 @@ class Snapshot:
     models_payload: bytes
     list_models_payload: bytes
     model_entries: Mapping[str, dict[str, Any]]  # id -> its /v1/models entry
+    # When time alone (a heartbeat running out) may change who is routable; the refresher
+    # rebuilds then even if no write announced anything.
+    valid_until: float = float("inf")
 
     @classmethod
     def empty(cls) -> Snapshot:
@@ -82,6 +85,7 @@ def build_snapshot(
     served_models: Iterable[ServedModelInfo],
     generation: int,
     now: float | None = None,
+    valid_until: float = float("inf"),
 ) -> Snapshot:
     workers = tuple(workers)
     configs = {m.name: m for m in served_models}
@@ -112,6 +116,7 @@ def build_snapshot(
         models_payload=orjson.dumps({"object": "list", "data": entries}),
         list_models_payload=orjson.dumps({"models": [e["id"] for e in entries]}),
         model_entries=MappingProxyType({e["id"]: e for e in entries}),
+        valid_until=valid_until,
     )
 
 

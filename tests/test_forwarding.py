@@ -57,6 +57,9 @@ def test_response_headers_and_body_are_relayed(
     assert routed.status_code == direct.status_code == 200
     assert routed.json() == direct.json()
     assert routed.headers["content-type"] == direct.headers["content-type"]
+    # One Date and one Server, not the router's and the worker's both.
+    assert len(routed.headers.get_list("date")) == 1
+    assert len(routed.headers.get_list("server")) == 1
 
 
 def test_stream_events_arrive_as_they_are_produced(

@@ -218,9 +218,9 @@ def _reregister(
             message=f"models now {', '.join(e['id'] for e in entries)}",
             actor=actor,
         )
-    # A (re)starting agent means a fresh server: it rejoins, unless a drain is still
-    # letting requests finish on it.
-    if worker.state != WorkerState.DRAINING and worker.state != WorkerState.ACTIVE:
+    # Registration means a (re)started server, as in FastChat: it rejoins the rotation,
+    # whatever state its previous life ended in; nothing of that life is still in flight.
+    if worker.state != WorkerState.ACTIVE:
         event_record(
             kind=EventKind.WORKER_BACK,
             worker=worker,

@@ -58,10 +58,13 @@ def test_serve_demo_runs_everything_and_stops_everything(tmp_path: Path) -> None
         )
         assert reply.choices[0].message.content
         output = log_path.read_text()
-        assert "user:     admin" in output and "password: " in output
-        assert f"http://127.0.0.1:{port}/admin/" in output
+        assert "user:      admin" in output and "password:  " in output
+        assert f"dashboard: http://127.0.0.1:{port}/" in output
         children = children_of(proc.pid)
-        assert len(children) == 4  # uvicorn, celery and two simulators
+        # uvicorn, celery, two simulators, their two agents and the demo client
+        assert len(children) == 7
+        sources = {w["source"] for w in httpx.get(f"{base}/list_workers").json()["workers"]}
+        assert sources == {"agent"}
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)

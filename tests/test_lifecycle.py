@@ -217,3 +217,18 @@ def test_drain_lets_the_stream_finish_and_sends_nothing_new(
     assert events[-1] == "data: [DONE]" and len(events) == 21  # the stream completed
     router.wait_for(lambda seen: seen[draining.pk]["state"] == "drained")
     assert draining_sim.state.cancelled == 0
+
+
+def test_a_restarted_agent_rejoins_after_its_shutdown_drain(
+    router: RouterServer, simulator: StartSimulator
+) -> None:
+    sim = simulator("m")
+    wid = router.post("/api/workers/register", json={"url": sim.url}, headers=AGENT_HEADERS).json()[
+        "id"
+    ]
+    assert router.post(f"/api/workers/{wid}/deregister", headers=AGENT_HEADERS).status_code == 200
+    router.wait_for(lambda seen: seen[wid]["state"] == "drained")
+    again = router.post("/api/workers/register", json={"url": sim.url}, headers=AGENT_HEADERS)
+    assert again.json()["id"] == wid
+    router.wait_for(lambda seen: seen[wid]["routable"])
+    assert Event.objects.filter(kind="worker_back", worker_id=wid).exists()

@@ -1,13 +1,16 @@
 """`manage.py serve`: everything a first run needs, in one command.
 
 Migrates, makes a first admin, then runs the ASGI server (uvicorn), a Celery worker with
-beat, and optionally N simulated vLLM workers, as child processes. Ctrl-C or SIGTERM
-stops them all; if one dies, the others are stopped too rather than limping on.
+beat, and with `--demo N` a small simulated fleet: N simulated vLLM workers, each joined by
+its own worker agent (as real vLLM servers would be), plus light client traffic so queues
+and in-flight counts move. Ctrl-C or SIGTERM stops every child; if one dies, the others
+are stopped too rather than limping on.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -15,13 +18,11 @@ import time
 from types import FrameType
 from typing import Any
 
-import httpx
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from controlpanel import services
-from controlpanel.models import Worker
 
 DEMO_MODELS = [
     # (model, LoRA adapters): two workers share a model so balancing is visible.
@@ -29,11 +30,11 @@ DEMO_MODELS = [
     ("llama-3.1-8b-instruct", ["sql-lora"]),
     ("qwen2.5-7b-instruct", []),
 ]
-STOP_GRACE_SECONDS = 10.0
+STOP_GRACE_SECONDS = 35.0  # above uvicorn's 30 s graceful shutdown for open streams
 
 
 class Command(BaseCommand):
-    help = "Run the control panel and router (uvicorn), Celery with beat, and demo workers."
+    help = "Run the router and control panel (uvicorn), Celery with beat, and a demo fleet."
     requires_migrations_checks = False
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -43,6 +44,13 @@ class Command(BaseCommand):
             "--demo", type=int, default=0, metavar="N", help="also run N simulated vLLM workers"
         )
         parser.add_argument("--demo-base-port", type=int, default=18101)
+        parser.add_argument(
+            "--demo-traffic",
+            type=float,
+            default=2.0,
+            metavar="RPS",
+            help="requests per second the demo client sends (0: none)",
+        )
         parser.add_argument("--no-celery", action="store_true", help="run no Celery worker")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -51,9 +59,12 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         call_command("migrate", interactive=False, verbosity=0)
-        self._announce_admin(options["host"], options["port"])
+        self.env = self._child_env(demo=options["demo"] > 0)
+        base = self._announce(options["host"], options["port"])
         try:
-            self._start_children(options)
+            self._start_server(options)
+            if options["demo"]:
+                self._start_demo(options, base)
             self._supervise()
         finally:
             self._stop_children()
@@ -61,101 +72,72 @@ class Command(BaseCommand):
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stopping = True
 
-    def _announce_admin(self, host: str, port: int) -> None:
+    def _child_env(self, *, demo: bool) -> dict[str, str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if demo and not settings.CONTROLPANEL_WORKER_TOKEN:
+            # The demo's agents need a worker token; one made for this run only keeps
+            # the agent API closed to anyone else.
+            env["CONTROLPANEL_WORKER_TOKEN"] = secrets.token_urlsafe(24)
+        return env
+
+    def _announce(self, host: str, port: int) -> str:
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         base = f"http://{shown_host}:{port}"
         password = services.admin_bootstrap()
         if password:
             self.stdout.write(
                 self.style.SUCCESS(
-                    f"\nCreated the first staff user.\n  user:     admin\n  password: {password}\n"
-                    f"  log in:   {base}/admin/\n(shown once; for real deployments run "
-                    "`python manage.py createsuperuser`)\n"
+                    f"\nCreated the first staff user.\n  user:      admin\n"
+                    f"  password:  {password}\n  dashboard: {base}/\n"
+                    "(shown once; for real deployments run `python manage.py createsuperuser`)\n"
                 )
             )
-        self.stdout.write(f"Router (OpenAI API): {base}/v1   API docs: {base}/api/docs\n")
+        self.stdout.write(
+            f"Dashboard: {base}/   OpenAI API: {base}/v1   API docs: {base}/api/docs\n"
+        )
+        return base
 
-    def _start_children(self, options: dict[str, Any]) -> None:
+    def _start_server(self, options: dict[str, Any]) -> None:
         python = sys.executable
-        manage = str(settings.BASE_DIR / "manage.py")
-        demo_urls = [
-            self._spawn_simulator(python, manage, index, options["demo_base_port"] + index)
-            for index in range(options["demo"])
-        ]
         self._spawn(
             "uvicorn",
-            [
-                python,
-                "-m",
-                "uvicorn",
-                "controlpanel.asgi:application",
-                "--host",
-                options["host"],
-                "--port",
-                str(options["port"]),
-                "--lifespan",
-                "on",
-                "--no-access-log",
-                "--timeout-graceful-shutdown",
-                "30",
-            ],
-        )
+            [python, "-m", "uvicorn", "controlpanel.asgi:application",
+             "--host", options["host"], "--port", str(options["port"]),
+             "--lifespan", "on", "--no-access-log", "--timeout-graceful-shutdown", "30"],
+        )  # fmt: skip
         if not options["no_celery"]:
             self._spawn(
                 "celery",
-                [
-                    python,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "controlpanel",
-                    "worker",
-                    "--beat",
-                    "--pool",
-                    "threads",
-                    "--concurrency",
-                    "4",
-                    "--loglevel",
-                    "INFO",
-                ],
-            )
-        for url in demo_urls:
-            self._register_demo_worker(url)
+                [python, "-m", "celery", "-A", "controlpanel", "worker", "--beat",
+                 "--pool", "threads", "--concurrency", "4", "--loglevel", "INFO"],
+            )  # fmt: skip
 
-    def _spawn_simulator(self, python: str, manage: str, index: int, port: int) -> str:
-        model, loras = DEMO_MODELS[index % len(DEMO_MODELS)]
-        command = [
-            python,
-            manage,
-            "simulate_vllm",
-            "--port",
-            str(port),
-            "--model",
-            model,
-            "--ttft-ms",
-            "40",
-            "--itl-ms",
-            "15",
-            "--max-batch",
-            "4",
-        ]
-        for lora in loras:
-            command += ["--lora", lora]
-        self._spawn(f"sim-{index + 1}", command)
-        return f"http://127.0.0.1:{port}"
+    def _start_demo(self, options: dict[str, Any], base: str) -> None:
+        python, manage = sys.executable, str(settings.BASE_DIR / "manage.py")
+        for index in range(options["demo"]):
+            port = options["demo_base_port"] + index
+            model, loras = DEMO_MODELS[index % len(DEMO_MODELS)]
+            simulator = [python, manage, "simulate_vllm", "--port", str(port), "--model", model,
+                         "--ttft-ms", "60", "--itl-ms", "25", "--max-batch", "4"]  # fmt: skip
+            for lora in loras:
+                simulator += ["--lora", lora]
+            self._spawn(f"sim-{index + 1}", simulator)
+            self._spawn(
+                f"agent-{index + 1}",
+                [python, manage, "worker_agent", "--controller", base,
+                 "--worker-url", f"http://127.0.0.1:{port}", "--name", f"demo-{index + 1}",
+                 "--interval", "2"],
+            )  # fmt: skip
+        if options["demo_traffic"] > 0:
+            self._spawn(
+                "demo-traffic",
+                [python, "-m", "routing.demo_traffic", "--url", base,
+                 "--rps", str(options["demo_traffic"])],
+            )  # fmt: skip
+        self.stdout.write(f"Demo: {options['demo']} simulated workers join through agents.\n")
 
     def _spawn(self, name: str, command: list[str]) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.children.append((name, subprocess.Popen(command, env=env)))
-
-    def _register_demo_worker(self, url: str) -> None:
-        _wait_until_serving(url, timeout=30.0)
-        try:
-            services.worker_add(url=url, name=f"demo-{url.rsplit(':', 1)[1]}", actor="serve --demo")
-        except services.WorkerAlreadyExists:
-            worker = Worker.objects.get(url=url)
-            services.worker_activate(worker_id=worker.pk, actor="serve --demo")
-        self.stdout.write(f"demo worker {url} registered\n")
+        self.children.append((name, subprocess.Popen(command, env=self.env)))
 
     def _supervise(self) -> None:
         while not self.stopping:
@@ -176,15 +158,3 @@ class Command(BaseCommand):
                 self.stderr.write(f"{name} did not stop in time; killing it\n")
                 child.kill()
                 child.wait()
-
-
-def _wait_until_serving(url: str, *, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise CommandError(f"simulated worker {url} did not start within {timeout:.0f} s")

@@ -87,7 +87,18 @@ def _invalid(request: HttpRequest, exc: ValidationError) -> HttpResponse:
 
 @api.exception_handler(AuthenticationError)
 def _unauthenticated(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
-    return _error(request, 401, "missing or wrong credentials", "AuthenticationError")
+    return _error(request, 401, _auth_hint(request), "AuthenticationError")
+
+
+def _auth_hint(request: HttpRequest) -> str:
+    """Say which credential this endpoint takes, and whether the server has one at all."""
+    agent_call = request.path.endswith(("/register", "/heartbeat", "/deregister"))
+    setting = "CONTROLPANEL_WORKER_TOKEN" if agent_call else "CONTROLPANEL_ADMIN_TOKEN"
+    if not getattr(settings, setting):
+        if agent_call:
+            return f"agent calls are disabled: the server has no {setting} set"
+        return f"log in as staff (the server has no {setting} set for bearer access)"
+    return f"missing or wrong credentials: send Authorization: Bearer ${setting}"
 
 
 @api.exception_handler(HttpError)

@@ -29,6 +29,7 @@ def test_admin_api_needs_the_admin_token(router: RouterServer) -> None:
     response = router.get("/api/workers", headers=wrong)
     assert response.status_code == 401
     assert response.json()["error"]["type"] == "AuthenticationError"
+    assert "CONTROLPANEL_ADMIN_TOKEN" in response.json()["error"]["message"]
     assert router.get("/api/workers", headers=ADMIN_HEADERS).status_code == 200
 
 
@@ -37,6 +38,7 @@ def test_agent_api_needs_the_worker_token(router: RouterServer) -> None:
         "/api/workers/register", json={"url": "http://127.0.0.1:1"}, headers=ADMIN_HEADERS
     )
     assert response.status_code == 401
+    assert "CONTROLPANEL_WORKER_TOKEN" in response.json()["error"]["message"]
 
 
 def test_add_get_drain_activate_remove(router: RouterServer, simulator: StartSimulator) -> None:

@@ -4,7 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint format types migrations-check check bench clean
+CHROMIUM := /usr/bin/chromium
+
+.PHONY: install browser run test lint format types migrations-check check bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,10 +16,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The browser tests drive Debian's Chromium (never a downloaded browser build).
+browser: $(CHROMIUM)
+$(CHROMIUM):
+	@if [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	else \
+		echo "Chromium is missing: run 'sudo apt-get install chromium' once" >&2; exit 1; \
+	fi
+
 run: install
 	$(PY) manage.py serve --demo 3
 
-test: install
+test: install browser
 	$(PY) -m pytest
 
 lint: install

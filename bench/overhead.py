@@ -1,9 +1,12 @@
-"""What does the router cost? Direct-to-workers against through-the-router, in one run.
+"""What does the router cost? Direct-to-workers, stack floor and router, in one run.
 
 Set-up: two sets of four simulated vLLM workers (``manage.py simulate_vllm``), each set serving
 one model: ``bench-tiny`` answers at once (ttft 0, itl 0) and ``bench-stream`` behaves like a
 small GPU server (ttft 20 ms, itl 5 ms). One router (uvicorn serving ``controlpanel.asgi``) runs
-on a throw-away SQLite database with all eight workers registered through the admin API. This
+on a throw-away SQLite database with all eight workers registered through the admin API. One
+floor proxy (``bench/floor_proxy.py``, same uvicorn flags) forwards to the same eight workers,
+round-robin per model, and does nothing else: it is the measured lower bound of "uvicorn +
+aiohttp client" on this machine, so router CPU minus floor CPU is the router's own cost. This
 script is the load generator, a separate process from the router and the workers: aiohttp on
 uvloop, one ``ClientSession`` with ``TCPConnector(limit=concurrency)`` per round, pre-encoded
 bodies, closed loop (``concurrency`` clients, each sending its next request as soon as the
@@ -11,24 +14,31 @@ previous answer is read to the end).
 
 Method:
 
-* **Interleaving.** Every scenario runs ``--rounds`` rounds; each round measures both modes back
-  to back, alternating which goes first (direct/router, router/direct, ...), so machine drift
-  and noisy neighbours hit both modes alike. One unrecorded warm-up round per mode comes first.
+* **Interleaving.** Every scenario runs ``--rounds`` rounds; each round measures all three modes
+  back to back, rotating the order (direct/floor/router, floor/router/direct,
+  router/direct/floor, ...), so machine drift and noisy neighbours hit all modes alike. One
+  unrecorded warm-up round per mode comes first.
 * **Direct mode** spreads requests over the four workers round-robin (request i goes to worker
-  i mod 4); **router mode** sends everything to the router, which picks by shortest queue.
+  i mod 4); **floor mode** sends everything to the floor proxy, which forwards round-robin;
+  **router mode** sends everything to the router, which picks by shortest queue.
 * **Medians.** Each round yields throughput (successful requests / wall time), latency p50/p99
   and, for streams, TTFT p50 (send to first SSE chunk carrying content). The report shows the
-  median over rounds of each figure per mode; "added" figures are router median minus direct
-  median, the throughput ratio is router median / direct median.
-* **Router CPU from /proc.** utime + stime of the uvicorn process (all its threads) is read from
-  ``/proc/<pid>/stat`` before and after every router round; ticks / ``SC_CLK_TCK`` / requests
+  median over rounds of each figure per mode; "added" figures are router (or floor) median
+  minus direct median, the throughput ratio is router median / direct median, and "router
+  minus floor CPU" is the router's CPU median minus the floor's.
+* **Proxy CPU from /proc.** utime + stime of each uvicorn process (all its threads) is read
+  from ``/proc/<pid>/stat`` before and after every round; ticks / ``SC_CLK_TCK`` / requests
   gives CPU ms per request (10 ms tick resolution, hence rounds of hundreds of requests). The
-  same reading around direct rounds gives the router's background CPU (snapshot refresher,
-  in-flight reports), shown separately; it is not subtracted from the target figure. Peak RSS is
-  ``VmHWM`` from ``/proc/<pid>/status`` at the end.
+  same reading around the rounds where a proxy serves nothing gives its background CPU (for the
+  router: snapshot refresher, in-flight reports), shown separately; it is not subtracted from
+  the target figure. Peak RSS is ``VmHWM`` from ``/proc/<pid>/status`` at the end.
+* **Quiet machine check.** Busy time from ``/proc/stat`` minus the CPU of the router, the floor
+  proxy, the workers and this script is "other load"; above 10 % of the machine the report
+  warns that the figures are unreliable.
 
-Usage: ``.venv/bin/python bench/overhead.py [--rounds N] [--quick]``. Prints a markdown report
-and writes the figures, with per-round detail, to ``bench/out/overhead-<timestamp>.json``.
+Usage: ``.venv/bin/python bench/overhead.py [--rounds N] [--quick] [--only SCENARIO]``.
+Prints a markdown report and writes the figures, with per-round detail, to
+``bench/out/overhead-<timestamp>.json``.
 All traffic stays on 127.0.0.1; all subprocesses are stopped on exit, error or Ctrl-C.
 """
 
@@ -37,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import ctypes
 import json
 import os
 import platform
@@ -50,9 +61,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,18 +80,26 @@ WORKERS_PER_SET = 4
 TINY_MODEL = "bench-tiny"
 STREAM_MODEL = "bench-stream"
 STREAM_TOKENS = 64
+STREAM_TTFT_MS = 20.0
+STREAM_ITL_MS = 5.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 JSON_HEADERS = {"Content-Type": "application/json"}
 # A delta with at least one character of content; vLLM's first chat chunk has "content":"".
 CONTENT_RE = re.compile(rb'"content":"[^"]')
 DONE = b"data: [DONE]\n\n"
 REQUEST_TIMEOUT_S = 60.0
+REGISTER_ATTEMPTS = 3
+PR_SET_PDEATHSIG = 1
 
-# Targets from the issue: (label, limit, higher is better).
+# Targets from the issue, printed with PASS/FAIL beside the figures.
 CPU_TARGET_MS = 0.3
 STREAM_RATIO_TARGET = 0.97
 TTFT_TARGET_MS = 2.0
 RSS_TARGET_MIB = 150.0
+OTHER_LOAD_WARN_PCT = 10.0
+
+# direct: straight to the workers; floor: bench/floor_proxy.py; router: controlpanel.asgi.
+MODES = ("direct", "floor", "router")
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -117,11 +137,48 @@ def scenarios(quick: bool) -> list[Scenario]:
 # --------------------------------------------------------------------------- /proc readings
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a whole process (all threads), in seconds."""
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(utime, stime) of a whole process (all its threads), in seconds."""
     raw = Path(f"/proc/{pid}/stat").read_text()
     fields = raw[raw.rindex(")") + 2 :].split()  # after "pid (comm) "; field 3 is fields[0]
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks summed over all CPUs since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:9]]  # user .. steal
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """CPU counters read around a round: router and floor (user, sys), workers, machine, this
+    process."""
+
+    router_user: float
+    router_sys: float
+    floor_user: float
+    floor_sys: float
+    workers: float
+    busy: int
+    total: int
+    client: float
+
+    @classmethod
+    def take(cls, router_pid: int, floor_pid: int, worker_pids: list[int]) -> CpuSample:
+        user, system = cpu_times(router_pid)
+        floor_user, floor_sys = cpu_times(floor_pid)
+        workers = sum(sum(cpu_times(pid)) for pid in worker_pids)
+        busy, total = machine_ticks()
+        return cls(user, system, floor_user, floor_sys, workers, busy, total, time.process_time())
+
+    def ours(self) -> float:
+        """CPU seconds of every process this benchmark runs."""
+        return (self.router_user + self.router_sys + self.floor_user + self.floor_sys) + (
+            self.workers + self.client
+        )
 
 
 def status_kib(pid: int, key: str) -> int:
@@ -172,16 +229,19 @@ class Fleet:
         )
         return env
 
-    def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, name: str, args: list[str], extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
             args,
             cwd=ROOT,
-            env=self.env,
+            env={**self.env, **(extra_env or {})},
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches only us; we stop them in order
+            preexec_fn=_die_with_parent,
         )
         log.close()
         self.procs.append((name, proc))
@@ -213,6 +273,15 @@ class Fleet:
                 proc.wait(timeout=5)
         self.procs.clear()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it if this script dies, even by SIGKILL."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 def free_ports(n: int) -> list[int]:
@@ -249,6 +318,20 @@ def start_router(fleet: Fleet, port: int) -> int:
     return proc.pid
 
 
+def start_floor(fleet: Fleet, port: int, upstreams: dict[str, list[str]]) -> int:
+    """bench/floor_proxy.py, with exactly the uvicorn flags the router gets."""
+    spec = ";".join(f"{model}={','.join(urls)}" for model, urls in upstreams.items())
+    proc = fleet.spawn(
+        "floor",
+        [
+            PYTHON, "-m", "uvicorn", "bench.floor_proxy:app", "--host", HOST,
+            "--port", str(port), "--lifespan", "on", "--no-access-log",
+        ],
+        extra_env={"FLOOR_UPSTREAMS": spec},
+    )  # fmt: skip
+    return proc.pid
+
+
 async def wait_until(
     what: str, check: Callable[[], Awaitable[bool]], fleet: Fleet, timeout: float = 60.0
 ) -> None:
@@ -259,7 +342,7 @@ async def wait_until(
         try:
             if await check():
                 return
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             pass
         await asyncio.sleep(0.1)
     raise RuntimeError(f"timed out waiting for {what}")
@@ -271,15 +354,38 @@ async def http_ok(session: aiohttp.ClientSession, url: str) -> bool:
         return resp.status == 200
 
 
+async def post_ok(session: aiohttp.ClientSession, url: str, body: bytes) -> bool:
+    async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
+        await resp.read()
+        return resp.status == 200
+
+
+async def register_worker(
+    session: aiohttp.ClientSession, fleet: Fleet, router: str, url: str
+) -> None:
+    """POST /api/workers; a 5xx is retried (a 409 on a retry means the first try landed)."""
+    headers = {"Authorization": f"Bearer {fleet.token}"}
+    for attempt in range(1, REGISTER_ATTEMPTS + 1):
+        async with session.post(f"{router}/api/workers", json={"url": url}, headers=headers) as r:
+            text = await r.text()
+        if r.status == 201 or (r.status == 409 and attempt > 1):
+            return
+        if r.status < 500 or attempt == REGISTER_ATTEMPTS:
+            raise RuntimeError(
+                f"registering {url}: HTTP {r.status} {text[:300]}\n"
+                f"router log:\n{fleet.log_tail('router')}"
+            )
+        log(
+            f"registering {url}: HTTP {r.status}, retrying; router log:\n{fleet.log_tail('router')}"
+        )
+        await asyncio.sleep(0.5)
+
+
 async def register_workers(
     session: aiohttp.ClientSession, fleet: Fleet, router: str, urls: list[str]
 ) -> None:
-    headers = {"Authorization": f"Bearer {fleet.token}"}
     for url in urls:
-        async with session.post(f"{router}/api/workers", json={"url": url}, headers=headers) as r:
-            text = await r.text()
-            if r.status != 201:
-                raise RuntimeError(f"registering {url}: HTTP {r.status} {text[:500]}")
+        await register_worker(session, fleet, router, url)
 
     async def all_routable() -> bool:
         async with session.get(f"{router}/list_workers") as resp:
@@ -336,7 +442,7 @@ async def client_loop(
     for i in todo:
         try:
             await send(session, urls[i % len(urls)], body, out)
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             out.errors += 1
 
 
@@ -384,15 +490,28 @@ class RoundStats:
     ttft_p99_ms: float | None
     router_cpu_ms: float
     router_cpu_ms_per_req: float
+    router_user_ms_per_req: float
+    router_sys_ms_per_req: float
+    floor_cpu_ms: float
+    floor_cpu_ms_per_req: float
+    floor_user_ms_per_req: float
+    floor_sys_ms_per_req: float
     client_cpu_ms_per_req: float
+    machine_busy_pct: float
+    other_busy_pct: float
 
 
 def round_stats(
-    mode: str, samples: Samples, wall: float, router_cpu: float, client_cpu: float
+    mode: str, samples: Samples, wall: float, before: CpuSample, after: CpuSample
 ) -> RoundStats:
     lat = [x * 1000 for x in samples.latencies]
     ttft = [x * 1000 for x in samples.ttfts]
     n = len(lat) + samples.errors
+    user = after.router_user - before.router_user
+    system = after.router_sys - before.router_sys
+    floor_user = after.floor_user - before.floor_user
+    floor_sys = after.floor_sys - before.floor_sys
+    per_req = 1000 / max(n, 1)
     return RoundStats(
         mode=mode,
         requests=n,
@@ -406,10 +525,25 @@ def round_stats(
         max_ms=max(lat, default=float("nan")),
         ttft_p50_ms=percentile(ttft, 50) if ttft else None,
         ttft_p99_ms=percentile(ttft, 99) if ttft else None,
-        router_cpu_ms=router_cpu * 1000,
-        router_cpu_ms_per_req=router_cpu * 1000 / max(n, 1),
-        client_cpu_ms_per_req=client_cpu * 1000 / max(n, 1),
+        router_cpu_ms=(user + system) * 1000,
+        router_cpu_ms_per_req=(user + system) * per_req,
+        router_user_ms_per_req=user * per_req,
+        router_sys_ms_per_req=system * per_req,
+        floor_cpu_ms=(floor_user + floor_sys) * 1000,
+        floor_cpu_ms_per_req=(floor_user + floor_sys) * per_req,
+        floor_user_ms_per_req=floor_user * per_req,
+        floor_sys_ms_per_req=floor_sys * per_req,
+        client_cpu_ms_per_req=(after.client - before.client) * per_req,
+        machine_busy_pct=100 * (after.busy - before.busy) / max(after.total - before.total, 1),
+        other_busy_pct=other_busy_pct(before, after),
     )
+
+
+def other_busy_pct(before: CpuSample, after: CpuSample) -> float:
+    """Share of all CPUs busy with processes other than this benchmark's (0 on a quiet box)."""
+    busy = (after.busy - before.busy) / CLK_TCK
+    ours = after.ours() - before.ours()
+    return max(0.0, 100 * (busy - ours) * CLK_TCK / max(after.total - before.total, 1))
 
 
 def med(rounds: list[RoundStats], attr: str) -> float:
@@ -418,8 +552,19 @@ def med(rounds: list[RoundStats], attr: str) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def summarize(sc: Scenario, direct: list[RoundStats], router: list[RoundStats]) -> dict[str, Any]:
-    d_rps, r_rps = med(direct, "rps"), med(router, "rps")
+def idle_cpu_ms_per_s(rounds: list[RoundStats], proxy: str) -> float:
+    """CPU of `proxy` ("router" or "floor") per second of the rounds where it serves nothing
+    (for the router: snapshot refresher, in-flight reports)."""
+    idle = [r for r in rounds if r.mode != proxy]
+    wall = sum(r.wall_s for r in idle)
+    cpu = sum(getattr(r, f"{proxy}_cpu_ms") for r in idle)
+    return cpu / wall if wall else float("nan")
+
+
+def summarize(sc: Scenario, results: dict[str, list[RoundStats]]) -> dict[str, Any]:
+    direct, floor, router = results["direct"], results["floor"], results["router"]
+    d_rps, f_rps, r_rps = med(direct, "rps"), med(floor, "rps"), med(router, "rps")
+    every = direct + floor + router
     summary: dict[str, Any] = {
         "scenario": sc.name,
         "concurrency": sc.concurrency,
@@ -433,21 +578,45 @@ def summarize(sc: Scenario, direct: list[RoundStats], router: list[RoundStats]) 
         "direct_p99_ms": med(direct, "p99_ms"),
         "router_p99_ms": med(router, "p99_ms"),
         "router_cpu_ms_per_req": med(router, "router_cpu_ms_per_req"),
-        "router_idle_cpu_ms_per_s": statistics.median(
-            r.router_cpu_ms / r.wall_s for r in direct
-        ),
+        "router_user_ms_per_req": med(router, "router_user_ms_per_req"),
+        "router_sys_ms_per_req": med(router, "router_sys_ms_per_req"),
+        "floor_rps": f_rps,
+        "floor_ratio": f_rps / d_rps,
+        "router_floor_ratio": r_rps / f_rps,
+        "floor_p50_ms": med(floor, "p50_ms"),
+        "floor_p99_ms": med(floor, "p99_ms"),
+        "floor_cpu_ms_per_req": med(floor, "floor_cpu_ms_per_req"),
+        "floor_user_ms_per_req": med(floor, "floor_user_ms_per_req"),
+        "floor_sys_ms_per_req": med(floor, "floor_sys_ms_per_req"),
+        "machine_busy_pct_direct": med(direct, "machine_busy_pct"),
+        "machine_busy_pct_floor": med(floor, "machine_busy_pct"),
+        "machine_busy_pct_router": med(router, "machine_busy_pct"),
+        "other_busy_pct": med(every, "other_busy_pct"),
+        "router_idle_cpu_ms_per_s": idle_cpu_ms_per_s(every, "router"),
+        "floor_idle_cpu_ms_per_s": idle_cpu_ms_per_s(every, "floor"),
         "client_cpu_ms_per_req_direct": med(direct, "client_cpu_ms_per_req"),
+        "client_cpu_ms_per_req_floor": med(floor, "client_cpu_ms_per_req"),
         "client_cpu_ms_per_req_router": med(router, "client_cpu_ms_per_req"),
-        "errors": sum(r.errors for r in direct + router),
+        "errors": sum(r.errors for r in every),
     }
     summary["added_p50_ms"] = summary["router_p50_ms"] - summary["direct_p50_ms"]
     summary["added_p99_ms"] = summary["router_p99_ms"] - summary["direct_p99_ms"]
+    summary["floor_added_p50_ms"] = summary["floor_p50_ms"] - summary["direct_p50_ms"]
+    summary["floor_added_p99_ms"] = summary["floor_p99_ms"] - summary["direct_p99_ms"]
+    summary["router_minus_floor_p50_ms"] = summary["router_p50_ms"] - summary["floor_p50_ms"]
+    summary["router_minus_floor_cpu_ms_per_req"] = (
+        summary["router_cpu_ms_per_req"] - summary["floor_cpu_ms_per_req"]
+    )
     if sc.stream:
         summary["direct_ttft_p50_ms"] = med(direct, "ttft_p50_ms")
+        summary["floor_ttft_p50_ms"] = med(floor, "ttft_p50_ms")
         summary["router_ttft_p50_ms"] = med(router, "ttft_p50_ms")
-        summary["added_ttft_p50_ms"] = (
-            summary["router_ttft_p50_ms"] - summary["direct_ttft_p50_ms"]
+        summary["added_ttft_p50_ms"] = summary["router_ttft_p50_ms"] - summary["direct_ttft_p50_ms"]
+        summary["floor_added_ttft_p50_ms"] = (
+            summary["floor_ttft_p50_ms"] - summary["direct_ttft_p50_ms"]
         )
+        one_stream_s = (STREAM_TTFT_MS + (STREAM_TOKENS - 1) * STREAM_ITL_MS) / 1000
+        summary["nominal_rps"] = sc.concurrency / one_stream_s
     return summary
 
 
@@ -459,89 +628,132 @@ class Targets:
     direct: dict[str, list[str]]  # model -> worker base URLs
     router: str
     router_pid: int
+    floor: str
+    floor_pid: int
+    worker_pids: list[int]
+
+    def sample(self) -> CpuSample:
+        return CpuSample.take(self.router_pid, self.floor_pid, self.worker_pids)
 
 
 async def measure(
     targets: Targets, sc: Scenario, mode: str, requests: int
 ) -> tuple[RoundStats, float]:
-    urls = targets.direct[sc.model] if mode == "direct" else [targets.router]
-    urls = [u + "/v1/chat/completions" for u in urls]
-    cpu0, client0 = cpu_seconds(targets.router_pid), time.process_time()
+    bases = {"direct": targets.direct[sc.model], "floor": [targets.floor]}
+    urls = [u + "/v1/chat/completions" for u in bases.get(mode, [targets.router])]
+    before = targets.sample()
     samples, wall = await load_round(urls, sc, requests)
-    cpu1, client1 = cpu_seconds(targets.router_pid), time.process_time()
-    return round_stats(mode, samples, wall, cpu1 - cpu0, client1 - client0), wall
+    after = targets.sample()
+    return round_stats(mode, samples, wall, before, after), wall
+
+
+def round_order(i: int) -> tuple[str, ...]:
+    """direct/floor/router, floor/router/direct, router/direct/floor, direct/floor/router, ..."""
+    k = i % len(MODES)
+    return MODES[k:] + MODES[:k]
 
 
 async def run_scenario(
     targets: Targets, sc: Scenario, rounds: int, fleet: Fleet
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[RoundStats]]:
     warmup = max(sc.concurrency * 4, 50) if not sc.stream else sc.concurrency * 2
-    for mode in ("direct", "router"):
+    for mode in MODES:
         await measure(targets, sc, mode, min(warmup, sc.requests))
-    results: dict[str, list[RoundStats]] = {"direct": [], "router": []}
+    results: dict[str, list[RoundStats]] = {mode: [] for mode in MODES}
     for i in range(rounds):
-        order = ("direct", "router") if i % 2 == 0 else ("router", "direct")
-        for mode in order:
+        for mode in round_order(i):
             fleet.check_alive()
             stats, _ = await measure(targets, sc, mode, sc.requests)
             results[mode].append(stats)
             await asyncio.sleep(0.1)
         progress(sc, i, results)
-    summary = summarize(sc, results["direct"], results["router"])
-    detail = [asdict(r) for r in results["direct"] + results["router"]]
-    return summary, detail
+    summary = summarize(sc, results)
+    every = [r for mode in MODES for r in results[mode]]
+    return summary, [asdict(r) for r in every], every
 
 
 def progress(sc: Scenario, i: int, results: dict[str, list[RoundStats]]) -> None:
-    d, r = results["direct"][-1], results["router"][-1]
+    d, f, r = (results[mode][-1] for mode in MODES)
     print(
-        f"  {sc.name:<20} round {i + 1}: direct {d.rps:8.1f} req/s p50 {d.p50_ms:6.2f} ms | "
-        f"router {r.rps:8.1f} req/s p50 {r.p50_ms:6.2f} ms, "
-        f"cpu {r.router_cpu_ms_per_req:.3f} ms/req",
+        f"  {sc.name:<20} round {i + 1}: direct {d.rps:7.1f} req/s p50 {d.p50_ms:6.2f} ms | "
+        f"floor {f.rps:7.1f} req/s p50 {f.p50_ms:6.2f} ms cpu {f.floor_cpu_ms_per_req:.3f} | "
+        f"router {r.rps:7.1f} req/s p50 {r.p50_ms:6.2f} ms cpu {r.router_cpu_ms_per_req:.3f}",
         file=sys.stderr,
         flush=True,
     )
 
 
 async def start_fleet(fleet: Fleet) -> Targets:
-    ports = free_ports(2 * WORKERS_PER_SET + 1)
-    router_port, tiny_ports, stream_ports = ports[0], ports[1:5], ports[5:9]
+    ports = free_ports(2 * WORKERS_PER_SET + 2)
+    router_port, floor_port = ports[0], ports[1]
+    tiny_ports = ports[2 : 2 + WORKERS_PER_SET]
+    stream_ports = ports[2 + WORKERS_PER_SET :]
     for i, port in enumerate(tiny_ports):
         start_worker(fleet, f"tiny{i}", port, TINY_MODEL, ttft=0, itl=0)
     for i, port in enumerate(stream_ports):
-        start_worker(fleet, f"stream{i}", port, STREAM_MODEL, ttft=20, itl=5)
+        start_worker(fleet, f"stream{i}", port, STREAM_MODEL, STREAM_TTFT_MS, STREAM_ITL_MS)
     router_pid = start_router(fleet, router_port)
     router = f"http://{HOST}:{router_port}"
     direct = {
         TINY_MODEL: [f"http://{HOST}:{p}" for p in tiny_ports],
         STREAM_MODEL: [f"http://{HOST}:{p}" for p in stream_ports],
     }
+    floor_pid = start_floor(fleet, floor_port, direct)
+    floor = f"http://{HOST}:{floor_port}"
     all_urls = direct[TINY_MODEL] + direct[STREAM_MODEL]
     timeout = aiohttp.ClientTimeout(total=10)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for url in [*all_urls, router]:
-            await wait_until(f"{url}/health", lambda u=url: http_ok(session, u + "/health"), fleet)
+            await wait_until(f"{url}/health", partial(http_ok, session, url + "/health"), fleet)
+        tiny = Scenario("probe", TINY_MODEL, 1, 1, stream=False).body()
+        await wait_until(
+            f"{floor} (floor proxy)",
+            partial(post_ok, session, floor + "/v1/chat/completions", tiny),
+            fleet,
+        )
         await register_workers(session, fleet, router, all_urls)
-    return Targets(direct=direct, router=router, router_pid=router_pid)
+    workers = [proc.pid for name, proc in fleet.procs if name not in ("router", "floor")]
+    return Targets(
+        direct=direct,
+        router=router,
+        router_pid=router_pid,
+        floor=floor,
+        floor_pid=floor_pid,
+        worker_pids=workers,
+    )
+
+
+def selected(args: argparse.Namespace) -> list[Scenario]:
+    return [sc for sc in scenarios(args.quick) if not args.only or sc.name in args.only]
 
 
 async def benchmark(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
-    log(f"starting {2 * WORKERS_PER_SET} simulated workers and the router ...")
+    log(f"starting {2 * WORKERS_PER_SET} simulated workers, the router and the floor proxy ...")
     targets = await start_fleet(fleet)
     rss_start = status_kib(targets.router_pid, "VmRSS")
-    summaries, details = [], {}
-    for sc in scenarios(args.quick):
+    floor_rss_start = status_kib(targets.floor_pid, "VmRSS")
+    summaries, details, every = [], {}, []
+    for sc in selected(args):
         log(f"scenario {sc.name}: {args.rounds} rounds x {sc.requests} requests per mode")
-        summary, detail = await run_scenario(targets, sc, args.rounds, fleet)
+        summary, detail, rounds = await run_scenario(targets, sc, args.rounds, fleet)
         summaries.append(summary)
         details[sc.name] = detail
-    pid = targets.router_pid
+        every += rounds
+    pid, floor_pid = targets.router_pid, targets.floor_pid
     memory = {
         "router_rss_start_mib": rss_start / 1024,
         "router_rss_end_mib": status_kib(pid, "VmRSS") / 1024,
         "router_peak_rss_mib": status_kib(pid, "VmHWM") / 1024,
+        "floor_rss_start_mib": floor_rss_start / 1024,
+        "floor_peak_rss_mib": status_kib(floor_pid, "VmHWM") / 1024,
     }
-    return {"scenarios": summaries, "memory": memory, "rounds_detail": details}
+    return {
+        "scenarios": summaries,
+        "memory": memory,
+        "router_idle_cpu_ms_per_s": idle_cpu_ms_per_s(every, "router"),
+        "floor_idle_cpu_ms_per_s": idle_cpu_ms_per_s(every, "floor"),
+        "rounds_detail": details,
+    }
 
 
 def log(message: str) -> None:
@@ -552,11 +764,12 @@ def log(message: str) -> None:
 
 
 def fmt(value: float | None, digits: int = 2) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
-def mark(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
+def mark(ok: bool | None) -> str:
+    """PASS / FAIL, or "info" for rows that have no limit of their own."""
+    return "info" if ok is None else "PASS" if ok else "FAIL"
 
 
 def figures_table(summaries: list[dict[str, Any]]) -> list[str]:
@@ -567,7 +780,7 @@ def figures_table(summaries: list[dict[str, Any]]) -> list[str]:
         "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for s in summaries:
-        ttft = "–"
+        ttft = "-"
         if "direct_ttft_p50_ms" in s:
             ttft = f"{fmt(s['direct_ttft_p50_ms'])} / {fmt(s['router_ttft_p50_ms'])}"
         lines.append(
@@ -581,8 +794,63 @@ def figures_table(summaries: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def target_rows(result: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
-    rows = []
+def floor_table(summaries: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| scenario | floor req/s | floor / direct | router / floor | floor p50 / p99 ms "
+        "| floor added p50 ms | floor added TTFT p50 ms | floor CPU ms/req | router CPU ms/req "
+        "| router minus floor CPU ms/req |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for s in summaries:
+        lines.append(
+            f"| {s['scenario']} | {s['floor_rps']:.0f} | {s['floor_ratio']:.3f} "
+            f"| {s['router_floor_ratio']:.3f} "
+            f"| {fmt(s['floor_p50_ms'])} / {fmt(s['floor_p99_ms'])} "
+            f"| {fmt(s['floor_added_p50_ms'])} | {fmt(s.get('floor_added_ttft_p50_ms'))} "
+            f"| {s['floor_cpu_ms_per_req']:.3f} | {s['router_cpu_ms_per_req']:.3f} "
+            f"| {s['router_minus_floor_cpu_ms_per_req']:.3f} |"
+        )
+    return lines
+
+
+def diagnostics_table(summaries: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| scenario | machine CPU busy % direct / floor / router | other load % "
+        "| router user / sys ms/req | floor user / sys ms/req "
+        "| client CPU ms/req direct / floor / router |",
+        "|---|--:|--:|--:|--:|--:|",
+    ]
+    for s in summaries:
+        lines.append(
+            f"| {s['scenario']} | {s['machine_busy_pct_direct']:.0f} / "
+            f"{s['machine_busy_pct_floor']:.0f} / "
+            f"{s['machine_busy_pct_router']:.0f} | {s['other_busy_pct']:.0f} "
+            f"| {s['router_user_ms_per_req']:.3f} / {s['router_sys_ms_per_req']:.3f} "
+            f"| {s['floor_user_ms_per_req']:.3f} / {s['floor_sys_ms_per_req']:.3f} "
+            f"| {s['client_cpu_ms_per_req_direct']:.3f} / "
+            f"{s['client_cpu_ms_per_req_floor']:.3f} / "
+            f"{s['client_cpu_ms_per_req_router']:.3f} |"
+        )
+    return lines
+
+
+def floor_target_row(summaries: list[dict[str, Any]]) -> tuple[str, str, str, None] | None:
+    """Informational: is the router's CPU target reachable with this stack at all?"""
+    tiny = [s for s in summaries if s["scenario"].startswith("tiny")]
+    if not tiny:
+        return None
+    values = " / ".join(f"{s['floor_cpu_ms_per_req']:.3f}" for s in tiny)
+    names = " / ".join(s["scenario"].removeprefix("tiny ") for s in tiny)
+    return (
+        "stack floor (uvicorn + aiohttp) CPU per tiny request",
+        f"{values} ms ({names})",
+        f"(router target <= {CPU_TARGET_MS} ms)",
+        None,
+    )
+
+
+def target_rows(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    rows: list[tuple[str, str, str, bool | None]] = []
     for s in result["scenarios"]:
         if s["scenario"].startswith("tiny"):
             cpu = s["router_cpu_ms_per_req"]
@@ -600,6 +868,9 @@ def target_rows(result: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
                 (f"added TTFT p50, {s['scenario']}", f"{ttft:.2f} ms",
                  f"<= {TTFT_TARGET_MS} ms", ttft <= TTFT_TARGET_MS)
             )  # fmt: skip
+    floor_row = floor_target_row(result["scenarios"])
+    if floor_row is not None:
+        rows.append(floor_row)
     rss = result["memory"]["router_peak_rss_mib"]
     rows.append(
         ("router peak RSS (VmHWM)", f"{rss:.1f} MiB", f"<= {RSS_TARGET_MIB:.0f} MiB",
@@ -625,13 +896,39 @@ def report(result: dict[str, Any]) -> str:
     for label, value, limit, ok in target_rows(result):
         lines.append(f"| {label} | {value} | {limit} | {mark(ok)} |")
     mem = result["memory"]
-    idle = statistics.median(s["router_idle_cpu_ms_per_s"] for s in result["scenarios"])
+    lines += [
+        "",
+        "Stack floor (bench/floor_proxy.py: uvicorn with the router's flags, one aiohttp "
+        'session, round-robin, nothing else; medians over rounds, "added" = floor minus '
+        "direct):",
+        "",
+        *floor_table(result["scenarios"]),
+    ]
+    lines += ["", "Diagnostics (medians over rounds):", "", *diagnostics_table(result["scenarios"])]
     lines += [
         "",
         f"Router RSS: {mem['router_rss_start_mib']:.1f} MiB after start-up, "
-        f"{mem['router_rss_end_mib']:.1f} MiB at the end, peak {mem['router_peak_rss_mib']:.1f}"
-        f" MiB. Router background CPU while idle (during direct rounds): {idle:.1f} ms/s.",
+        f"{mem['router_rss_end_mib']:.1f} MiB at the end, peak {mem['router_peak_rss_mib']:.1f} "
+        f"MiB. Floor proxy peak RSS: {mem['floor_peak_rss_mib']:.1f} MiB.",
+        f"Background CPU, measured around the rounds where a proxy serves nothing: router "
+        f"{result['router_idle_cpu_ms_per_s']:.1f} ms/s, floor "
+        f"{result['floor_idle_cpu_ms_per_s']:.1f} ms/s; included in the CPU figures above.",
     ]
+    noisy = [
+        s["scenario"] for s in result["scenarios"] if s["other_busy_pct"] > OTHER_LOAD_WARN_PCT
+    ]
+    if noisy:
+        lines.append(
+            f"WARNING: other processes kept the CPUs more than {OTHER_LOAD_WARN_PCT:.0f} % busy "
+            f"during: {', '.join(noisy)}. Those figures are unreliable; rerun on a quiet machine."
+        )
+    for s in result["scenarios"]:
+        if "nominal_rps" in s:
+            lines.append(
+                f"{s['scenario']}: nominal {s['concurrency']} x ({STREAM_TTFT_MS:g} ms + "
+                f"{STREAM_TOKENS - 1} x {STREAM_ITL_MS:g} ms) = {s['nominal_rps']:.1f} req/s; "
+                f"direct reached {s['direct_rps']:.1f} (timer overshoot, CPU contention)."
+            )
     return "\n".join(lines)
 
 
@@ -649,7 +946,14 @@ def write_json(result: dict[str, Any]) -> Path:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=None, help="rounds per scenario (5)")
-    parser.add_argument("--quick", action="store_true", help="few requests: a ~30 s smoke run")
+    parser.add_argument("--quick", action="store_true", help="few requests: a ~40 s smoke run")
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="SCENARIO",
+        choices=[sc.name for sc in scenarios(quick=False)],
+        help="run only this scenario (repeatable), e.g. --only 'tiny c=32'",
+    )
     args = parser.parse_args(argv)
     if args.rounds is None:
         args.rounds = 3 if args.quick else 5
@@ -658,12 +962,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_async(coro: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+def run_async(coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    """uvloop when installed (as uvicorn uses it), so the client costs as little as it can."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(coro)  # type: ignore[arg-type]
-    return uvloop.run(coro)  # type: ignore[arg-type]
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -681,7 +986,12 @@ def main(argv: list[str] | None = None) -> int:
         fleet.stop()
     result = {
         "machine": machine_info(),
-        "config": {"rounds": args.rounds, "quick": args.quick, "python": PYTHON},
+        "config": {
+            "rounds": args.rounds,
+            "quick": args.quick,
+            "only": args.only,
+            "python": PYTHON,
+        },
         "duration_s": round(time.monotonic() - started, 1),
         **result,
     }

@@ -16,14 +16,17 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402 - needs Django set u
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
+from django.urls import path  # noqa: E402
 
+from controlpanel.consumers import FleetConsumer  # noqa: E402
+from controlpanel.live import publisher  # noqa: E402
 from controlpanel.selectors import DatabaseSnapshotSource  # noqa: E402
 from routing.proxy import Receive, RouterApp, RouterConfig, Scope, Send, routes_here  # noqa: E402
 from routing.refresher import SnapshotRefresher  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-websocket_urlpatterns: list[Any] = []
+websocket_urlpatterns: list[Any] = [path("ws/fleet/", FleetConsumer.as_asgi())]
 
 
 def router_config() -> RouterConfig:
@@ -71,12 +74,14 @@ class ControlPanelApp:
                 try:
                     await self.router.startup()
                     await self.refresher.start()
+                    await publisher.start()
                 except Exception as exc:
                     log.exception("router start-up failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                await publisher.stop()
                 await self.refresher.stop()
                 await self.router.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})

@@ -55,12 +55,23 @@ class Worker(models.Model):
     # The routing generation that announced the drain: a router that has not yet reported
     # from a snapshot at least this new may still pick the worker, so the drain waits for it.
     drain_generation = models.BigIntegerField(null=True, blank=True)
+    # Health, from Celery probes and from the routers' passive failure reports.
+    consecutive_failures = models.PositiveIntegerField(default=0)
+    consecutive_successes = models.PositiveIntegerField(default=0)
+    last_probe_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    sleeping = models.BooleanField(null=True, blank=True)  # vllm:engine_sleep_state; None: unknown
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     # As vLLM lists them in /v1/models: [{"id", "parent", "root", "max_model_len"}]; a LoRA
     # adapter is an entry whose parent is the base model's id. (Last, because the name
     # shadows the `models` module inside this class body.)
     models = JSONField(default=list, blank=True)
+    # The latest scraped signals, each None when the worker does not export it (never a
+    # made-up zero): running, waiting, kv_cache_usage, prefix_hit_rate, ttft_p50, ttft_p95,
+    # rps. `scrape_state` keeps the raw counters the next probe needs for its deltas.
+    metrics = JSONField(default=dict, blank=True)
+    scrape_state = JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["name", "id"]
@@ -142,6 +153,24 @@ class RouterInstance(models.Model):
         return cls.objects.filter(last_seen__gte=timezone.now() - within)
 
 
+class WorkerSample(models.Model):
+    """One probe's reading, kept for the dashboard's charts and pruned after a while."""
+
+    worker = models.ForeignKey(Worker, on_delete=models.CASCADE, related_name="samples")
+    at = models.DateTimeField(db_index=True)
+    up = models.BooleanField()
+    running = models.IntegerField(null=True)
+    waiting = models.IntegerField(null=True)
+    kv_cache_usage = models.FloatField(null=True)
+    prefix_hit_rate = models.FloatField(null=True)
+    ttft_p50 = models.FloatField(null=True)
+    rps = models.FloatField(null=True)
+
+    class Meta:
+        ordering = ["at"]
+        indexes = [models.Index(fields=["worker", "at"])]
+
+
 class EventKind(models.TextChoices):
     WORKER_JOINED = "worker_joined"
     WORKER_LEFT = "worker_left"
@@ -151,6 +180,10 @@ class EventKind(models.TextChoices):
     DRAIN_FINISHED = "drain_finished"
     WORKER_ACTIVATED = "worker_activated"
     MODELS_CHANGED = "models_changed"
+    WORKER_UNHEALTHY = "worker_unhealthy"
+    WORKER_RECOVERED = "worker_recovered"
+    WORKER_SLEEPING = "worker_sleeping"
+    WORKER_AWAKE = "worker_awake"
 
 
 class Event(models.Model):

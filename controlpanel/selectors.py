@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import UTC, datetime
 from functools import wraps
+from types import MappingProxyType
 from typing import Any, ParamSpec, TypeVar
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from controlpanel import services
+from controlpanel import health, services
 from controlpanel.models import RoutingGeneration, ServedModel, Worker, WorkerSource, WorkerState
 from routing.snapshot import ModelEntry, ServedModelInfo, Snapshot, WorkerView, build_snapshot
 
@@ -20,9 +21,12 @@ T = TypeVar("T")
 
 
 def worker_view(worker: Worker, *, now: datetime) -> WorkerView:
-    routable = worker.state == WorkerState.ACTIVE and not worker.heartbeat_expired(
-        settings.CONTROLPANEL_HEARTBEAT_EXPIRY, now
+    routable = (
+        worker.state == WorkerState.ACTIVE
+        and not worker.sleeping
+        and not worker.heartbeat_expired(settings.CONTROLPANEL_HEARTBEAT_EXPIRY, now)
     )
+    metrics = worker.metrics or {}
     return WorkerView(
         id=worker.pk,
         name=worker.name,
@@ -33,6 +37,12 @@ def worker_view(worker: Worker, *, now: datetime) -> WorkerView:
         queue_length=worker.queue_length,
         last_heartbeat=worker.last_heartbeat.timestamp() if worker.last_heartbeat else None,
         routable=routable,
+        running=metrics.get("running"),
+        waiting=metrics.get("waiting"),
+        kv_cache_usage=metrics.get("kv_cache_usage"),
+        prefix_hit_rate=metrics.get("prefix_hit_rate"),
+        metrics_age=(now - worker.last_probe_at).total_seconds() if worker.last_probe_at else None,
+        metrics=MappingProxyType(dict(metrics)),
     )
 
 
@@ -110,8 +120,11 @@ class DatabaseSnapshotSource:
         started_at: float,
         generation: int,
         inflight: dict[int, int],
-    ) -> None:
-        services.router_report(
+        failures: dict[int, tuple[int, str]],
+    ) -> bool:
+        for worker_id, (count, cause) in failures.items():
+            health.worker_passive_failures(worker_id=worker_id, failures=count, cause=cause)
+        return services.router_report(
             instance_id=instance_id,
             hostname=hostname,
             pid=pid,

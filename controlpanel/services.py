@@ -106,6 +106,12 @@ def _model_entry(entry: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def model_keys(entries: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """What identifies a model list; not `created`, which vLLM stamps with the current time
+    on every /v1/models answer."""
+    return [(e.get("id"), e.get("parent"), e.get("root"), e.get("max_model_len")) for e in entries]
+
+
 def models_from_agent(names_or_entries: Iterable[Any]) -> list[dict[str, Any]]:
     """An agent may send bare names or vLLM entries; both become vLLM entries."""
     entries = [{"id": item} if isinstance(item, str) else dict(item) for item in names_or_entries]
@@ -211,7 +217,7 @@ def worker_register(
 def _reregister(
     worker: Worker, *, entries: list[dict[str, Any]], name: str, now: datetime, actor: str
 ) -> None:
-    if worker.models != entries:
+    if model_keys(worker.models) != model_keys(entries):
         event_record(
             kind=EventKind.MODELS_CHANGED,
             worker=worker,
@@ -380,8 +386,11 @@ def router_report(
     started_at: datetime,
     generation: int,
     inflight: dict[int, int],
-) -> None:
-    """A router says it is alive and what it has in flight; drains may then finish."""
+) -> bool:
+    """A router says it is alive and what it has in flight; drains may then finish.
+
+    Returns whether this router is the one that exports the fleet's worker gauges on its
+    /metrics (the longest-running live router), so several replicas never double-count."""
     RouterInstance.objects.update_or_create(
         instance_id=instance_id,
         defaults={
@@ -395,6 +404,13 @@ def router_report(
     )
     RouterInstance.objects.filter(last_seen__lt=timezone.now() - ROUTER_LIVENESS * 20).delete()
     workers_finish_drains()
+    oldest = (
+        RouterInstance.live(ROUTER_LIVENESS)
+        .order_by("started_at", "instance_id")
+        .values_list("instance_id", flat=True)
+        .first()
+    )
+    return oldest == instance_id
 
 
 def router_forget(*, instance_id: str) -> None:

@@ -191,3 +191,17 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": CONTROLPANEL_HOUSEKEEPING_SECONDS,
     },
 }
+
+# --- Health probes (Celery) ----------------------------------------------------------------
+CONTROLPANEL_PROBE_INTERVAL = env_float("CONTROLPANEL_PROBE_INTERVAL", 5.0, minimum=0.2)
+CONTROLPANEL_PROBE_TIMEOUT = env_float("CONTROLPANEL_PROBE_TIMEOUT", 3.0, minimum=0.1)
+CONTROLPANEL_UNHEALTHY_AFTER = env_int("CONTROLPANEL_UNHEALTHY_AFTER", 3, minimum=1)
+CONTROLPANEL_HEALTHY_AFTER = env_int("CONTROLPANEL_HEALTHY_AFTER", 2, minimum=1)
+CONTROLPANEL_MODELS_EVERY = env_int("CONTROLPANEL_MODELS_EVERY", 6, minimum=1)
+CONTROLPANEL_HISTORY_MINUTES = env_int("CONTROLPANEL_HISTORY_MINUTES", 30, minimum=15)
+CELERY_BEAT_SCHEDULE["probe-workers"] = {
+    "task": "controlpanel.probe_workers",
+    "schedule": CONTROLPANEL_PROBE_INTERVAL,
+    # Rounds queued while no Celery worker ran are stale: never run them in a burst.
+    "options": {"expires": CONTROLPANEL_PROBE_INTERVAL},
+}

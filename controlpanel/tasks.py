@@ -2,7 +2,7 @@
 
 from celery import shared_task
 
-from controlpanel import services
+from controlpanel import health, services
 
 
 @shared_task(name="controlpanel.expire_heartbeats", ignore_result=True)
@@ -13,3 +13,8 @@ def expire_heartbeats() -> int:
 @shared_task(name="controlpanel.finish_drains", ignore_result=True)
 def finish_drains() -> int:
     return services.workers_finish_drains()
+
+
+@shared_task(name="controlpanel.probe_workers", ignore_result=True)
+def probe_workers() -> int:
+    return health.workers_probe()

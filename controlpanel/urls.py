@@ -8,6 +8,13 @@ from controlpanel.api import api
 
 urlpatterns = [
     path("", views.fleet, name="fleet"),
+    path("workers/add", views.worker_add, name="worker-add"),
+    path("workers/<int:worker_id>/", views.worker_detail, name="worker"),
+    path("workers/<int:worker_id>/drain", views.worker_drain, name="worker-drain"),
+    path("workers/<int:worker_id>/activate", views.worker_activate, name="worker-activate"),
+    path("workers/<int:worker_id>/remove", views.worker_remove, name="worker-remove"),
+    path("models/", views.models_page, name="models"),
+    path("events/", views.events_page, name="events"),
     path("admin/", admin.site.urls),
     path("api/", api.urls),
 ]

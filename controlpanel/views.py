@@ -1,31 +1,139 @@
-"""Server-rendered pages for operators (staff only)."""
+"""Server-rendered pages for operators (staff only). Thin: read through dashboard.py,
+act through services, redirect back, and let the live feed tell every other browser."""
 
 from __future__ import annotations
 
-from django.conf import settings
+from typing import Any
+
+from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
-from django.utils import timezone
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
 
-from controlpanel.models import Event, Worker
+from controlpanel import dashboard, services
+from controlpanel.models import Event, EventKind, ServedModel, Worker
+
+
+def _actor(request: HttpRequest) -> str:
+    return f"user:{request.user.get_username()}"
 
 
 @staff_member_required
 def fleet(request: HttpRequest) -> HttpResponse:
-    now = timezone.now()
-    expiry = settings.CONTROLPANEL_HEARTBEAT_EXPIRY
-    rows = [
-        {
-            "worker": worker,
-            "heartbeat_age": worker.heartbeat_age(now),
-            "expired": worker.heartbeat_expired(expiry, now),
-        }
-        for worker in Worker.objects.all()
-    ]
+    rows = dashboard.fleet_rows()
     context = {
         "rows": rows,
-        "events": Event.objects.select_related("worker")[:20],
+        "totals": dashboard.model_totals(rows),
         "router_url": request.build_absolute_uri("/v1"),
     }
     return render(request, "controlpanel/fleet.html", context)
+
+
+@staff_member_required
+def worker_detail(request: HttpRequest, worker_id: int) -> HttpResponse:
+    worker = get_object_or_404(Worker, pk=worker_id)
+    series = dashboard.chart_series(worker)
+    titles = {
+        "queue": "Queue (running + waiting)",
+        "kv_cache": "KV-cache usage, %",
+        "ttft": "Time to first token p50, ms",
+        "rps": "Requests per second",
+    }
+    charts = [{"title": title, **series[name]} for name, title in titles.items()]
+    context = {
+        "worker": worker,
+        "row": dashboard.fleet_rows(Worker.objects.filter(pk=worker_id))[0],
+        "charts": charts,
+        "events": Event.objects.filter(worker=worker).select_related("worker")[:30],
+    }
+    return render(request, "controlpanel/worker.html", context)
+
+
+@staff_member_required
+def models_page(request: HttpRequest) -> HttpResponse:
+    rows = dashboard.fleet_rows()
+    policies = dict(ServedModel.objects.values_list("name", "policy"))
+    cards: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        for entry in row.worker.models:
+            card = cards.setdefault(
+                entry["id"],
+                {"name": entry["id"], "parent": entry.get("parent"), "rows": [],
+                 "policy": policies.get(entry["id"], "shortest_queue")},
+            )  # fmt: skip
+            card["rows"].append(row)
+    for name, policy in policies.items():
+        cards.setdefault(name, {"name": name, "parent": None, "rows": [], "policy": policy})
+    for card in cards.values():
+        card["routable"] = sum(r.routable for r in card["rows"])
+        card["inflight"] = sum(r.inflight for r in card["rows"])
+        rates = [r.metrics.get("rps") for r in card["rows"] if r.metrics.get("rps") is not None]
+        card["rps"] = sum(rates) if rates else None
+    context = {"models": sorted(cards.values(), key=lambda c: c["name"])}
+    return render(request, "controlpanel/models.html", context)
+
+
+@staff_member_required
+def events_page(request: HttpRequest) -> HttpResponse:
+    events = Event.objects.select_related("worker")
+    worker = request.GET.get("worker", "")
+    kind = request.GET.get("kind", "")
+    if worker.isdigit():
+        events = events.filter(worker_id=int(worker))
+    if kind:
+        events = events.filter(kind=kind)
+    context = {
+        "events": events[:200],
+        "workers": Worker.objects.all(),
+        "kinds": EventKind.choices,
+        "selected_worker": int(worker) if worker.isdigit() else None,
+        "selected_kind": kind,
+    }
+    return render(request, "controlpanel/events.html", context)
+
+
+@staff_member_required
+@require_POST
+def worker_add(request: HttpRequest) -> HttpResponse:
+    url, name = request.POST.get("url", ""), request.POST.get("name", "").strip()
+    try:
+        worker = services.worker_add(url=url, name=name, actor=_actor(request))
+    except services.ServiceError as exc:
+        messages.error(request, f"Could not add {url}: {exc}")
+    else:
+        found = ", ".join(worker.model_ids)
+        messages.success(request, f"Added {worker.name}, serving {found}.")
+    return redirect("fleet")
+
+
+def _worker_action(request: HttpRequest, worker_id: int, action: str) -> HttpResponse:
+    worker = get_object_or_404(Worker, pk=worker_id)
+    if action == "drain":
+        services.worker_drain(worker_id=worker.pk, actor=_actor(request))
+        messages.info(request, f"Draining {worker.name}: no new requests; in-flight ones finish.")
+    elif action == "activate":
+        services.worker_activate(worker_id=worker.pk, actor=_actor(request))
+        messages.success(request, f"{worker.name} is active again.")
+    else:
+        services.worker_remove(worker_id=worker.pk, actor=_actor(request))
+        messages.success(request, f"Removed {worker.name}.")
+    return redirect("fleet")
+
+
+@staff_member_required
+@require_POST
+def worker_drain(request: HttpRequest, worker_id: int) -> HttpResponse:
+    return _worker_action(request, worker_id, "drain")
+
+
+@staff_member_required
+@require_POST
+def worker_activate(request: HttpRequest, worker_id: int) -> HttpResponse:
+    return _worker_action(request, worker_id, "activate")
+
+
+@staff_member_required
+@require_POST
+def worker_remove(request: HttpRequest, worker_id: int) -> HttpResponse:
+    return _worker_action(request, worker_id, "remove")

@@ -15,12 +15,22 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 import aiohttp
 import orjson
+from prometheus_client import CollectorRegistry
 
 from routing.errors import error_body, sse_error_event
+from routing.metrics import (
+    CONTENT_TYPE,
+    CollectedFamilies,
+    RequestTrace,
+    RouterCollector,
+    RouterMetrics,
+    render,
+)
 from routing.policies import make_policy
 from routing.policies.base import BasePolicy, RequestInfo
 from routing.snapshot import ModelRoute, Snapshot, WorkerView
@@ -52,6 +62,7 @@ MODEL_ROUTES = frozenset(
     }
 )
 SEED_ROUTES = frozenset({"/list_models", "/list_workers", "/health"})
+METRICS_PATH = "/metrics"
 # vLLM's administrative and dev-mode endpoints: answered here with a 404 so that no client
 # can ever put a worker to sleep or reset its cache through the public router.
 PRIVATE_ROUTES = frozenset(
@@ -93,10 +104,12 @@ _REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 # uvicorn writes its own Date and Server; relaying the worker's too would send both twice.
 _RESPONSE_DROP = HOP_BY_HOP | {b"date", b"server"}
 
-_JSON_HEADERS = [(b"content-type", b"application/json")]
+_JSON = b"application/json"
+_METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
 
 
 GC_GEN0_THRESHOLD = 20_000
+_CAUSE_MAX_CHARS = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,11 +129,16 @@ def routes_here(path: str) -> bool:
         or path in MODEL_ROUTES
         or path in SEED_ROUTES
         or path in PRIVATE_ROUTES
+        or path == METRICS_PATH
     )
 
 
 class RouterApp:
     """The ASGI callable for router paths. `snapshot` is swapped by the refresher."""
+
+    # Fleet gauges are the same in every replica; the control plane leaves this True on one
+    # live router only, so they are not counted once per router (see routing/metrics.py).
+    exports_fleet_metrics: bool = True
 
     def __init__(self, config: RouterConfig | None = None) -> None:
         self.config = config or RouterConfig()
@@ -128,6 +146,12 @@ class RouterApp:
         self.snapshot_error: str | None = None
         self.inflight: defaultdict[int, int] = defaultdict(int)
         self.started_at = time.time()
+        self.metrics = RouterMetrics()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(RouterCollector(self))
+        # worker id -> [failures, last cause]: connection refused or reset, or no answer in
+        # time, seen by real traffic; the refresher takes them for the control plane.
+        self.passive_failures: dict[int, list[Any]] = {}
         self._session: aiohttp.ClientSession | None = None
         self._policies: dict[tuple[str, str, bytes], BasePolicy] = {}
         self._route_policies: dict[str, BasePolicy] = {}
@@ -137,7 +161,22 @@ class RouterApp:
         Both references change in one statement, so a request never sees a mix."""
         kept: dict[tuple[str, str, bytes], BasePolicy] = {}
         policies = {name: self._policy_for(route, kept) for name, route in snapshot.routes.items()}
+        self.metrics.name_workers(snapshot.workers)
         self.snapshot, self._route_policies, self._policies = snapshot, policies, kept
+
+    def take_passive_failures(self) -> dict[int, tuple[int, str]]:
+        """The failures seen since the last call, as worker id -> (count, last cause)."""
+        taken, self.passive_failures = self.passive_failures, {}
+        return {worker_id: (count, cause) for worker_id, (count, cause) in taken.items()}
+
+    def render_metrics(self) -> bytes:
+        return render(self.registry)
+
+    async def _metrics_page(self) -> bytes:
+        # Collected here, on the loop, because it reads live dicts; written out on a thread,
+        # because a big fleet's text takes tens of ms, a stall every request would feel.
+        collected = CollectedFamilies(self.registry.collect())
+        return await asyncio.to_thread(render, collected)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -179,8 +218,6 @@ class RouterApp:
         path = scope["path"]
         method = scope["method"]
         if path in MODEL_ROUTES:
-            if method != "POST":
-                return await _respond_error(send, 405, f"{method} is not allowed on {path}")
             return await self._proxy(scope, receive, send)
         if method != "GET":
             return await _respond_error(send, 405, f"{method} is not allowed on {path}")
@@ -194,6 +231,9 @@ class RouterApp:
             return await _respond(send, 200, orjson.dumps(self.list_workers()))
         if path == "/health":
             return await _respond(send, 200, orjson.dumps(self.health()))
+        if path == METRICS_PATH:
+            body = await self._metrics_page()
+            return await _respond(send, 200, body, content_type=_METRICS_CONTENT_TYPE)
         await _respond_error(send, 404, f"no route {path}")
 
     async def _model_detail(self, send: Send, model: str) -> None:
@@ -207,38 +247,58 @@ class RouterApp:
     # --- the proxy --------------------------------------------------------------------------
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._read_body(scope, receive, send)
+        """One model-route request, counted and timed whatever becomes of it."""
+        trace = RequestTrace(perf_counter())
+        try:
+            await self._place(scope, receive, send, trace)
+        except Exception:
+            trace.status = trace.status or 500  # uvicorn answers an escaped error with a 500
+            raise
+        finally:
+            self.metrics.finish(trace, perf_counter())
+
+    async def _place(self, scope: Scope, receive: Receive, send: Send, trace: RequestTrace) -> None:
+        """Read, parse, pick a worker and forward; every exit leaves its status in `trace`."""
+        method = scope["method"]
+        if method != "POST":
+            return await _reject(send, trace, 405, f"{method} is not allowed on {scope['path']}")
+        body = await self._read_body(scope, receive, send, trace)
         if body is None:
             return
         try:
             payload = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
-            return await _respond_error(send, 400, f"the request body is not valid JSON: {exc}")
+            return await _reject(send, trace, 400, f"the request body is not valid JSON: {exc}")
         model = payload.get("model") if isinstance(payload, dict) else None
         if not isinstance(model, str) or not model:
-            return await _respond_error(
-                send, 400, "the request body must be a JSON object with a `model`", "model"
+            return await _reject(
+                send, trace, 400, "the request body must be a JSON object with a `model`", "model"
             )
         route = self.snapshot.routes.get(model)
         policy = self._route_policies.get(model)
         if route is None or policy is None:
-            return await _respond_error(send, 404, f"The model `{model}` does not exist.", "model")
+            return await _reject(send, trace, 404, f"The model `{model}` does not exist.", "model")
+        trace.model = model  # only now: a served name, so the label set stays bounded
         request = RequestInfo(model=model, body=payload, raw_headers=scope["headers"])
         worker = policy.select(route.workers, request, self.inflight)
         if worker is None:
-            return await _respond_error(
+            return await _reject(
                 send,
+                trace,
                 503,
                 f"no worker is available for model `{model}` right now",
                 extra_headers=[(b"retry-after", str(self.config.retry_after_seconds).encode())],
             )
-        await self._forward_counted(scope, receive, send, worker, body, policy, request)
+        trace.worker_id = worker.id
+        await self._forward_counted(scope, receive, send, worker, body, policy, request, trace)
 
-    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+    async def _read_body(
+        self, scope: Scope, receive: Receive, send: Send, trace: RequestTrace
+    ) -> bytes | None:
         limit = self.config.max_body_bytes
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _respond_error(send, 413, f"the request body exceeds {limit} bytes")
+            await _reject(send, trace, 413, f"the request body exceeds {limit} bytes")
             return None
         chunks: list[bytes] = []
         size = 0
@@ -249,7 +309,7 @@ class RouterApp:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await _respond_error(send, 413, f"the request body exceeds {limit} bytes")
+                await _reject(send, trace, 413, f"the request body exceeds {limit} bytes")
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -275,18 +335,25 @@ class RouterApp:
         body: bytes,
         policy: BasePolicy,
         request: RequestInfo,
+        trace: RequestTrace,
     ) -> None:
         self.inflight[worker.id] += 1
         policy.on_request_start(worker, request)
         ok = False
         try:
-            ok = await self._forward_watching_client(scope, receive, send, worker, body)
+            ok = await self._forward_watching_client(scope, receive, send, worker, body, trace)
         finally:
             self.inflight[worker.id] -= 1
             policy.on_request_complete(worker, request, ok)
 
     async def _forward_watching_client(
-        self, scope: Scope, receive: Receive, send: Send, worker: WorkerView, body: bytes
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        worker: WorkerView,
+        body: bytes,
+        trace: RequestTrace,
     ) -> bool:
         """Run the forward while watching for the client leaving; if it leaves, cancel the
         forward, which closes the upstream connection instead of finishing the generation."""
@@ -295,7 +362,7 @@ class RouterApp:
         state = {"done": False, "gone": False}
         watcher = asyncio.create_task(_watch_disconnect(receive, forward, state))
         try:
-            return await self._forward(scope, send, worker, body, state)
+            return await self._forward(scope, send, worker, body, state, trace)
         except asyncio.CancelledError:
             if not state["gone"]:
                 raise
@@ -306,7 +373,13 @@ class RouterApp:
             watcher.cancel()
 
     async def _forward(
-        self, scope: Scope, send: Send, worker: WorkerView, body: bytes, state: dict[str, bool]
+        self,
+        scope: Scope,
+        send: Send,
+        worker: WorkerView,
+        body: bytes,
+        state: dict[str, bool],
+        trace: RequestTrace,
     ) -> bool:
         session = self._session or await self._lazy_session()
         url = worker.url + scope["path"]
@@ -316,14 +389,16 @@ class RouterApp:
             upstream = await session.post(
                 url, data=body, headers=_request_headers(scope["headers"]), allow_redirects=False
             )
-        except TimeoutError:
-            await _respond_error(send, 504, f"worker {worker.name} did not answer in time")
+        except TimeoutError as exc:
+            self._failed_before_response(worker, "timeout", exc)
+            await _reject(send, trace, 504, f"worker {worker.name} did not answer in time")
             return False
         except aiohttp.ClientError as exc:
-            await _respond_error(send, 502, f"worker {worker.name} is unreachable: {exc}")
+            self._failed_before_response(worker, _connection_error_kind(exc), exc)
+            await _reject(send, trace, 502, f"worker {worker.name} is unreachable: {exc}")
             return False
         try:
-            return await self._relay(send, upstream, worker, state)
+            return await self._relay(send, upstream, worker, state, trace)
         finally:
             if state["gone"] or not upstream.content.at_eof():
                 upstream.close()  # the connection is mid-message: never reuse it
@@ -336,20 +411,30 @@ class RouterApp:
         upstream: aiohttp.ClientResponse,
         worker: WorkerView,
         state: dict[str, bool],
+        trace: RequestTrace,
     ) -> bool:
+        status = upstream.status
+        if status >= 500:
+            self.metrics.upstream_error(worker.id, "upstream_5xx")
         await send(
             {
                 "type": "http.response.start",
-                "status": upstream.status,
+                "status": status,
                 "headers": _response_headers(upstream.raw_headers),
             }
         )
+        trace.status = status
         content = upstream.content
         try:
+            # The first chunk apart, so the loop below carries no time-to-first-byte check.
+            if chunk := await content.readany():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                trace.first_byte = perf_counter()
             while chunk := await content.readany():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("stream from %s broke: %r", worker.name, exc)
+            self.metrics.upstream_error(worker.id, "broken_stream")
             await self._end_broken_stream(send, upstream, worker, exc)
             return False
         state["done"] = True
@@ -366,6 +451,19 @@ class RouterApp:
                 {"type": "http.response.body", "body": sse_error_event(message), "more_body": True}
             )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _failed_before_response(self, worker: WorkerView, kind: str, exc: BaseException) -> None:
+        self.metrics.upstream_error(worker.id, kind)
+        # Only what says "the server is not there": a malformed answer or a bad URL is not
+        # something a health check should act on.
+        if isinstance(exc, TimeoutError | aiohttp.ClientConnectionError):
+            cause = f"{kind}: {type(exc).__name__}: {exc}"[:_CAUSE_MAX_CHARS]
+            entry = self.passive_failures.get(worker.id)
+            if entry is None:
+                self.passive_failures[worker.id] = [1, cause]
+            else:
+                entry[0] += 1
+                entry[1] = cause
 
     async def _lazy_session(self) -> aiohttp.ClientSession:
         """For servers that skip the ASGI lifespan: make the one session on first use."""
@@ -389,6 +487,11 @@ class RouterApp:
                 "inflight": self.inflight.get(w.id, 0),
                 "queue_length": w.queue_length,
                 "heartbeat_age_s": _rounded(w.heartbeat_age(now)),
+                "running": w.running,
+                "waiting": w.waiting,
+                "kv_cache_usage": w.kv_cache_usage,
+                "prefix_hit_rate": w.prefix_hit_rate,
+                "metrics_age_s": _rounded(w.metrics_age),
             }
             for w in self.snapshot.workers
         ]
@@ -432,6 +535,12 @@ async def _watch_disconnect(
             return
 
 
+def _connection_error_kind(exc: aiohttp.ClientError) -> str:
+    # ClientConnectorError: the connection was never made (refused, no route, DNS);
+    # anything else failed on a connection that was made (reset, closed, garbled head).
+    return "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "reset"
+
+
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope["headers"]:
         if key == name:
@@ -458,8 +567,10 @@ async def _respond(
     status: int,
     body: bytes,
     extra_headers: list[tuple[bytes, bytes]] | None = None,
+    *,
+    content_type: bytes = _JSON,
 ) -> None:
-    headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
     if extra_headers:
         headers += extra_headers
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -475,3 +586,17 @@ async def _respond_error(
     extra_headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     await _respond(send, status, error_body(status, message, param=param), extra_headers)
+
+
+async def _reject(
+    send: Send,
+    trace: RequestTrace,
+    status: int,
+    message: str,
+    param: str | None = None,
+    *,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """A router-made error on a model route, counted under the status it sends."""
+    trace.status = status
+    await _respond_error(send, status, message, param, extra_headers=extra_headers)

@@ -40,7 +40,8 @@ class SnapshotSource(Protocol):
         started_at: float,
         generation: int,
         inflight: dict[int, int],
-    ) -> None: ...
+        failures: dict[int, tuple[int, str]],
+    ) -> bool: ...
 
     def forget(self, *, instance_id: str) -> None: ...
 
@@ -117,12 +118,16 @@ class SnapshotRefresher:
         since = now - self._last_report
         due = (
             generation != self._last_generation
+            or self.router.passive_failures
             or (inflight != self._last_reported and since >= self.report_interval)
             or since >= LIFE_SIGN_SECONDS
         )
         if not due:
             return
-        await self._run(
+        # Failed requests on real traffic go out with the next poll, so a dead worker leaves
+        # the rotation within a second rather than at its next probe.
+        failures = self.router.take_passive_failures()
+        self.router.exports_fleet_metrics = await self._run(
             self.source.report,
             instance_id=self.instance_id,
             hostname=socket.gethostname(),
@@ -130,6 +135,7 @@ class SnapshotRefresher:
             started_at=self.router.started_at,
             generation=generation,
             inflight=inflight,
+            failures=failures,
         )
         self._last_report, self._last_reported = now, inflight
         self._last_generation = generation

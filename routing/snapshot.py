@@ -38,6 +38,14 @@ class WorkerView:
     last_heartbeat: float | None  # epoch seconds
     routable: bool
     weight: float = 1.0
+    # Scraped load signals (None: unknown), so policies can use them without I/O.
+    running: int | None = None
+    waiting: int | None = None
+    kv_cache_usage: float | None = None
+    prefix_hit_rate: float | None = None
+    metrics_age: float | None = None  # seconds since the probe that read them, at build
+    # Every scraped value by name (None: unknown), for /metrics and the dashboard.
+    metrics: Mapping[str, Any] = field(default_factory=dict)
 
     def heartbeat_age(self, now: float) -> float | None:
         return None if self.last_heartbeat is None else max(0.0, now - self.last_heartbeat)

@@ -221,5 +221,38 @@ def add_worker(router: RouterServer) -> Callable[..., Worker]:
     return add
 
 
+@pytest.fixture
+def celery_worker(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    log_path = tmp_path / "celery.log"
+    command = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "controlpanel",
+        "worker",
+        "--beat",
+        "--pool",
+        "threads",
+        "--concurrency",
+        "2",
+        "--loglevel",
+        "INFO",
+        "--schedule",
+        str(tmp_path / "beat-schedule"),
+    ]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=subprocess_env(tmp_path, CONTROLPANEL_PROBE_INTERVAL="0.5"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    yield proc
+    stop_process(proc)
+    print(log_path.read_text(errors="replace")[-3000:])
+
+
 StartSimulator = Callable[..., RunningSimulator]
 AddWorker = Callable[..., Worker]

@@ -20,6 +20,7 @@ from controlpanel.settings import DATABASES, VAR_DIR
 
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # A file, not memory: the router subprocess must open the same test database.
-    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-controlpanel.sqlite3")}
+    # Per run, so two test runs on one machine never share (and corrupt) one file.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / f"test-{os.getpid()}.sqlite3")}
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

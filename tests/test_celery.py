@@ -4,52 +4,17 @@ runs the housekeeping that marks silent agents' workers offline."""
 from __future__ import annotations
 
 import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from controlpanel.models import Event, Worker, WorkerSource
 from tests.conftest import (
-    ROOT,
     RouterServer,
     StartSimulator,
-    stop_process,
-    subprocess_env,
     wait_until,
 )
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def celery_worker(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    log_path = tmp_path / "celery.log"
-    command = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "controlpanel",
-        "worker",
-        "--beat",
-        "--pool",
-        "threads",
-        "--concurrency",
-        "2",
-        "--loglevel",
-        "INFO",
-        "--schedule",
-        str(tmp_path / "beat-schedule"),
-    ]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            command, cwd=ROOT, env=subprocess_env(tmp_path), stdout=log, stderr=subprocess.STDOUT
-        )
-    yield proc
-    stop_process(proc)
-    print(log_path.read_text(errors="replace")[-3000:])
 
 
 def test_celery_marks_a_silent_agent_worker_offline(

@@ -6,6 +6,7 @@ import httpx
 import pytest
 from django.contrib.auth import get_user_model
 
+from controlpanel.models import Worker
 from tests.conftest import AddWorker, RouterServer, StartSimulator
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -39,7 +40,14 @@ def test_fleet_page_lists_workers_models_and_events(
     assert f'data-worker-id="{worker.pk}"' in page
     assert "gpu-one" in page and "sql-lora" in page and "LoRA adapter of llama" in page
     assert "state-active" in page
-    assert "added with models llama, sql-lora" in page
+    assert 'id="model-totals"' in page and "LoRA: sql-lora" in page
+    events = session.get("/events/", params={"worker": worker.pk, "kind": "worker_joined"}).text
+    assert "added with models llama, sql-lora" in events
+    assert "added with models" not in session.get("/events/", params={"kind": "drain_started"}).text
+    detail = session.get(f"/workers/{worker.pk}/").text
+    assert "Queue (running + waiting)" in detail and "added with models" in detail
+    models = session.get("/models/").text
+    assert "shortest_queue" in models and "LoRA adapter of llama" in models
     css = session.get("/static/controlpanel/site.css")
     assert css.status_code == 200 and "text/css" in css.headers["content-type"]
     assert session.get("/static/admin/css/base.css").status_code == 200
@@ -48,3 +56,34 @@ def test_fleet_page_lists_workers_models_and_events(
 def test_api_docs_are_served(router: RouterServer) -> None:
     assert httpx.get(f"{router.url}/api/openapi.json").json()["info"]["title"].startswith("vLLM")
     assert httpx.get(f"{router.url}/api/docs").status_code == 200
+
+
+def test_dashboard_actions_add_drain_activate_remove(
+    router: RouterServer, simulator: StartSimulator
+) -> None:
+    session = logged_in(router)
+    sim = simulator("m")
+    token = session.cookies["csrftoken"]
+    added = session.post(
+        "/workers/add", data={"url": sim.url, "name": "w1", "csrfmiddlewaretoken": token}
+    )
+    assert added.status_code == 302
+    page = session.get("/").text
+    assert "Added w1, serving m." in page
+    worker = Worker.objects.get(name="w1")
+    for action, state in (("drain", "drained"), ("activate", "active")):
+        response = session.post(
+            f"/workers/{worker.pk}/{action}", data={"csrfmiddlewaretoken": token}
+        )
+        assert response.status_code == 302
+        router.wait_for(lambda seen, s=state: seen[worker.pk]["state"] == s)
+    assert (
+        session.post(
+            f"/workers/{worker.pk}/remove", data={"csrfmiddlewaretoken": token}
+        ).status_code
+        == 302
+    )
+    assert not Worker.objects.filter(pk=worker.pk).exists()
+    bad = session.post("/workers/add", data={"url": "not a url", "csrfmiddlewaretoken": token})
+    assert bad.status_code == 302
+    assert "Could not add not a url" in session.get("/").text

@@ -183,3 +183,14 @@ def test_vllm_admin_endpoints_are_never_forwarded(
     assert response.status_code in (404, 405)
     assert response.json()["error"]["code"] == response.status_code
     assert not [r for r in sim.state.requests if r["path"] == path]
+
+
+def test_failed_requests_take_a_dead_worker_out_of_rotation(router: RouterServer) -> None:
+    worker = fake_worker(f"http://127.0.0.1:{free_port()}")
+    router.wait_routable(worker)
+    for _ in range(3):  # CONTROLPANEL_UNHEALTHY_AFTER in a row, on real traffic
+        assert_openai_error(chat(router), 502)
+    router.wait_for(lambda seen: seen[worker.pk]["state"] == "unhealthy")
+    worker.refresh_from_db()
+    assert "connect" in worker.last_error or "refused" in worker.last_error.lower()
+    assert_openai_error(chat(router), 503)  # out of the rotation: no more doomed tries

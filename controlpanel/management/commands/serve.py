@@ -109,7 +109,7 @@ class Command(BaseCommand):
             self._spawn(
                 "celery",
                 [python, "-m", "celery", "-A", "controlpanel", "worker", "--beat",
-                 "--pool", "threads", "--concurrency", "4", "--loglevel", "INFO"],
+                 "--pool", "threads", "--concurrency", "4", "--loglevel", "WARNING"],
             )  # fmt: skip
 
     def _start_demo(self, options: dict[str, Any], base: str) -> None:

@@ -1,0 +1,111 @@
+"""The live feed behind the dashboard: the web process itself notices changes and pushes
+re-rendered rows to its open pages.
+
+Why the web process and not Celery: with the embedded in-memory channel layer a message
+sent from the Celery process never reaches the web process, and with Redis a per-process
+producer still works the same way, so one mechanism serves both. Every PUBLISH_INTERVAL
+the publisher reads the fleet (off the event loop), compares each row's change key with
+what it last sent, and sends only the rows that changed, rendered by the same partial
+templates as the first page load. Each process has its own group, so a page never gets a
+row twice when several web processes share a Redis channel layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import orjson
+from channels.layers import get_channel_layer
+from django.db import close_old_connections
+
+from controlpanel import dashboard
+
+log = logging.getLogger(__name__)
+
+GROUP = f"fleet-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+PUBLISH_INTERVAL = 0.4
+
+
+class LivePublisher:
+    def __init__(self, interval: float = PUBLISH_INTERVAL) -> None:
+        self.interval = interval
+        self.subscribers = 0
+        self._sent_keys: dict[int, tuple[Any, ...]] = {}
+        self._sent_totals = ""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="live")
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="live-publisher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._executor.shutdown(wait=False)
+
+    async def _loop(self) -> None:
+        layer = get_channel_layer()
+        while True:
+            await asyncio.sleep(self.interval)
+            if not self.subscribers or layer is None:
+                continue
+            try:
+                text = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self.changes
+                )
+            except Exception:
+                log.exception("live feed update failed")
+                continue
+            if text:
+                await layer.group_send(GROUP, {"type": "fleet.update", "text": text})
+
+    def changes(self) -> str | None:
+        """The rows whose content changed since the last push, as one JSON message."""
+        close_old_connections()
+        rows = dashboard.fleet_rows()
+        message = self._diff(rows)
+        return orjson.dumps(message).decode() if message else None
+
+    def _diff(self, rows: list[dashboard.Row]) -> dict[str, Any] | None:
+        keys = {row.worker.pk: row.key for row in rows}
+        changed = {
+            str(row.worker.pk): dashboard.render_row(row)
+            for row in rows
+            if self._sent_keys.get(row.worker.pk) != row.key
+        }
+        removed = [pk for pk in self._sent_keys if pk not in keys]
+        totals = dashboard.render_totals(rows)
+        if not changed and not removed and totals == self._sent_totals:
+            return None
+        self._sent_keys, self._sent_totals = keys, totals
+        return {
+            "rows": changed,
+            "removed": removed,
+            "order": [row.worker.pk for row in rows],
+            "totals": totals,
+        }
+
+
+def full_message() -> str:
+    """Everything, for a page that just (re)connected and may have missed updates."""
+    close_old_connections()
+    rows = dashboard.fleet_rows()
+    message = {
+        "rows": {str(row.worker.pk): dashboard.render_row(row) for row in rows},
+        "removed": [],
+        "order": [row.worker.pk for row in rows],
+        "totals": dashboard.render_totals(rows),
+        "full": True,
+    }
+    return orjson.dumps(message).decode()
+
+
+publisher = LivePublisher()

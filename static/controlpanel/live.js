@@ -1,0 +1,111 @@
+// The dashboard's live feed: rows pushed by the server over a websocket replace the rows
+// on the page in place. No polling: the only timer counts "seen N s ago" locally.
+(function () {
+  "use strict";
+
+  function csrfToken() {
+    var match = document.cookie.match(/(?:^|; )csrftoken=([^;]+)/);
+    return match ? decodeURIComponent(match[1]) : "";
+  }
+
+  // Rows pushed by the live feed are rendered without a request, so their forms carry no
+  // CSRF token; the page's own cookie supplies it at submit time.
+  document.addEventListener("submit", function (event) {
+    var form = event.target;
+    var question = form.dataset.confirm;
+    if (question && !window.confirm(question)) {
+      event.preventDefault();
+      return;
+    }
+    if (form.method.toLowerCase() !== "post") return;
+    var field = form.querySelector("input[name=csrfmiddlewaretoken]");
+    if (!field) {
+      field = document.createElement("input");
+      field.type = "hidden";
+      field.name = "csrfmiddlewaretoken";
+      form.appendChild(field);
+    }
+    if (!field.value) field.value = csrfToken();
+  });
+
+  function renderAges() {
+    var now = Date.now() / 1000;
+    document.querySelectorAll("[data-since]").forEach(function (el) {
+      var age = Math.max(0, Math.round(now - parseFloat(el.dataset.since)));
+      el.textContent = age < 90 ? age + " s ago" : Math.round(age / 60) + " min ago";
+    });
+  }
+  renderAges();
+  setInterval(renderAges, 1000);
+
+  var tbody = document.getElementById("fleet-rows");
+  var status = document.getElementById("live-status");
+  if (!tbody || !status) return;
+  var singleRow = tbody.dataset.live === "single";
+
+  function setStatus(text, state) {
+    status.hidden = false;
+    status.textContent = text;
+    status.className = "live live-" + state;
+  }
+
+  function rowFromHtml(html) {
+    var holder = document.createElement("tbody");
+    holder.innerHTML = html.trim();
+    return holder.firstElementChild;
+  }
+
+  function apply(message) {
+    Object.keys(message.rows).forEach(function (id) {
+      var fresh = rowFromHtml(message.rows[id]);
+      var current = document.getElementById("worker-" + id);
+      if (current) current.replaceWith(fresh);
+      else if (!singleRow) tbody.appendChild(fresh);
+    });
+    message.removed.forEach(function (id) {
+      var gone = document.getElementById("worker-" + id);
+      if (gone && !singleRow) gone.remove();
+    });
+    if (!singleRow) {
+      if (message.full) {
+        Array.from(tbody.children).forEach(function (row) {
+          if (message.order.indexOf(parseInt(row.dataset.workerId, 10)) < 0) row.remove();
+        });
+      }
+      message.order.forEach(function (id) {
+        var row = document.getElementById("worker-" + id);
+        if (row) tbody.appendChild(row);
+      });
+      var totals = document.getElementById("model-totals");
+      if (totals && message.totals) totals.outerHTML = message.totals;
+      var count = document.getElementById("worker-count");
+      if (count) count.textContent = message.order.length;
+      var empty = document.getElementById("fleet-empty");
+      if (empty) empty.hidden = message.order.length > 0;
+    }
+    renderAges();
+  }
+
+  var retryDelay = 500;
+  var everConnected = false;
+  function connect() {
+    var scheme = location.protocol === "https:" ? "wss://" : "ws://";
+    var socket = new WebSocket(scheme + location.host + "/ws/fleet/");
+    socket.onopen = function () {
+      retryDelay = 500;
+      setStatus(everConnected ? "Live · reconnected" : "Live", "ok");
+      everConnected = true;
+    };
+    socket.onmessage = function (event) { apply(JSON.parse(event.data)); };
+    socket.onclose = function (event) {
+      if (event.code === 4401 || event.code === 4403) {
+        setStatus("Not live: log in again", "down");
+        return;
+      }
+      setStatus("Reconnecting…", "down");
+      setTimeout(connect, retryDelay);
+      retryDelay = Math.min(retryDelay * 2, 5000);
+    };
+  }
+  connect();
+})();

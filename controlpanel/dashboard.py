@@ -37,35 +37,61 @@ class Row:
     @property
     def key(self) -> tuple[Any, ...]:
         """Changes whenever anything the row shows changes (ages are counted in the page)."""
-        return (self.worker.updated_at, self.inflight, self.routable, self.sparkline)
+        return (
+            self.worker.updated_at,
+            self.inflight,
+            self.routable,
+            self.sparkline,
+            self.metrics.get("error_rate"),
+        )
 
 
-def router_inflight() -> dict[int, int]:
-    """In-flight requests per worker, summed over every live router process."""
-    total: dict[int, int] = defaultdict(int)
-    for inflight in RouterInstance.live(ROUTER_LIVENESS).values_list("inflight", flat=True):
+@dataclass
+class RouterView:
+    """What the live routers say about each worker, summed over every router process."""
+
+    inflight: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    requests: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    errors: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+
+    def error_rate(self, worker_id: int) -> float | None:
+        requests = self.requests.get(worker_id, 0)
+        return self.errors.get(worker_id, 0) / requests if requests else None
+
+
+def router_view() -> RouterView:
+    view = RouterView()
+    rows = RouterInstance.live(ROUTER_LIVENESS).values_list("inflight", "recent")
+    for inflight, recent in rows:
         for worker_id, count in inflight.items():
-            total[int(worker_id)] += count
-    return total
+            view.inflight[int(worker_id)] += count
+        for worker_id, (requests, errors) in recent.items():
+            view.requests[int(worker_id)] += requests
+            view.errors[int(worker_id)] += errors
+    return view
 
 
 def fleet_rows(workers: QuerySet[Worker] | None = None) -> list[Row]:
     now = timezone.now()
     workers_list = list(workers if workers is not None else Worker.objects.all())
-    inflight = router_inflight()
+    routers = router_view()
     history = _recent_samples([w.pk for w in workers_list], now, SPARKLINE_MINUTES)
-    return [_row(w, inflight.get(w.pk, 0), history.get(w.pk, []), now) for w in workers_list]
+    return [_row(w, routers, history.get(w.pk, []), now) for w in workers_list]
 
 
-def _row(worker: Worker, inflight: int, samples: list[WorkerSample], now: datetime) -> Row:
+def _row(worker: Worker, routers: RouterView, samples: list[WorkerSample], now: datetime) -> Row:
+    metrics = dict(worker.metrics or {})
+    # The router's view of failures over the last minute: vLLM does not count requests it
+    # never answered, the router does.
+    metrics["error_rate"] = routers.error_rate(worker.pk)
     return Row(
         worker=worker,
-        inflight=inflight,
+        inflight=routers.inflight.get(worker.pk, 0),
         routable=_routable(worker, now),
         heartbeat_at=worker.last_heartbeat.timestamp() if worker.last_heartbeat else None,
         probe_at=worker.last_probe_at.timestamp() if worker.last_probe_at else None,
         sparkline=sparkline_points([_load(s) for s in samples]),
-        metrics=dict(worker.metrics or {}),
+        metrics=metrics,
     )
 
 

@@ -147,6 +147,8 @@ class RouterInstance(models.Model):
     inflight = models.JSONField(default=dict, blank=True)
     # The snapshot generation the router was routing with when it counted `inflight`.
     generation = models.BigIntegerField(default=-1)
+    # Requests and failures per worker over the router's last minute: {id: [requests, errors]}.
+    recent = models.JSONField(default=dict, blank=True)
 
     @classmethod
     def live(cls, within: timedelta) -> models.QuerySet[RouterInstance]:

@@ -121,6 +121,7 @@ class DatabaseSnapshotSource:
         generation: int,
         inflight: dict[int, int],
         failures: dict[int, tuple[int, str]],
+        recent: dict[int, tuple[int, int]],
     ) -> bool:
         for worker_id, (count, cause) in failures.items():
             health.worker_passive_failures(worker_id=worker_id, failures=count, cause=cause)
@@ -131,6 +132,7 @@ class DatabaseSnapshotSource:
             started_at=datetime.fromtimestamp(started_at, tz=UTC),
             generation=generation,
             inflight=inflight,
+            recent=recent,
         )
 
     @_fresh_connection

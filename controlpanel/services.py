@@ -386,6 +386,7 @@ def router_report(
     started_at: datetime,
     generation: int,
     inflight: dict[int, int],
+    recent: dict[int, tuple[int, int]] | None = None,
 ) -> bool:
     """A router says it is alive and what it has in flight; drains may then finish.
 
@@ -400,6 +401,7 @@ def router_report(
             "last_seen": timezone.now(),
             "inflight": {str(k): v for k, v in inflight.items() if v},
             "generation": generation,
+            "recent": {str(k): list(v) for k, v in (recent or {}).items() if v[0]},
         },
     )
     RouterInstance.objects.filter(last_seen__lt=timezone.now() - ROUTER_LIVENESS * 20).delete()

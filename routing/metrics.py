@@ -154,6 +154,19 @@ class RouterMetrics:
                 ttft = self.ttft[model] = PlainHistogram(TTFT_BUCKETS)
             ttft.observe(trace.first_byte - trace.started)
 
+    def worker_totals(self) -> dict[int, tuple[int, int]]:
+        """Requests and failed requests (5xx, router-made 502/504 included) per worker, since
+        this process started; the refresher turns them into recent rates."""
+        totals: dict[int, list[int]] = {}
+        for (_, worker_id, status), count in self.requests.items():
+            if worker_id is None:
+                continue
+            pair = totals.setdefault(worker_id, [0, 0])
+            pair[0] += count
+            if status >= 500:
+                pair[1] += count
+        return {worker_id: (pair[0], pair[1]) for worker_id, pair in totals.items()}
+
     def upstream_error(self, worker_id: int, kind: str) -> None:
         self.upstream_errors[worker_id, kind] += 1
 

@@ -14,6 +14,7 @@ import os
 import socket
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -24,6 +25,7 @@ from routing.snapshot import Snapshot
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 LIFE_SIGN_SECONDS = 5.0
+RECENT_WINDOW = 60.0
 
 
 class SnapshotSource(Protocol):
@@ -41,6 +43,7 @@ class SnapshotSource(Protocol):
         generation: int,
         inflight: dict[int, int],
         failures: dict[int, tuple[int, str]],
+        recent: dict[int, tuple[int, int]],
     ) -> bool: ...
 
     def forget(self, *, instance_id: str) -> None: ...
@@ -68,6 +71,7 @@ class SnapshotRefresher:
         self._last_report = 0.0
         self._last_reported: dict[int, int] | None = None
         self._last_generation: int | None = None
+        self._totals_history: deque[tuple[float, dict[int, tuple[int, int]]]] = deque()
         self._last_error_log = 0.0
 
     async def start(self) -> None:
@@ -136,9 +140,24 @@ class SnapshotRefresher:
             generation=generation,
             inflight=inflight,
             failures=failures,
+            recent=self._recent_traffic(now),
         )
         self._last_report, self._last_reported = now, inflight
         self._last_generation = generation
+
+    def _recent_traffic(self, now: float) -> dict[int, tuple[int, int]]:
+        """Requests and failures per worker over about the last RECENT_WINDOW seconds, from
+        the router's running totals, so operators see a current error rate."""
+        totals = self.router.metrics.worker_totals()
+        self._totals_history.append((now, totals))
+        while len(self._totals_history) > 1 and now - self._totals_history[0][0] > RECENT_WINDOW:
+            self._totals_history.popleft()
+        _, oldest = self._totals_history[0]
+        recent: dict[int, tuple[int, int]] = {}
+        for worker_id, (requests, errors) in totals.items():
+            before = oldest.get(worker_id, (0, 0)) if len(self._totals_history) > 1 else (0, 0)
+            recent[worker_id] = (requests - before[0], errors - before[1])
+        return recent
 
     async def _run(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()

@@ -120,8 +120,8 @@ class RouterServer:
         return self.log_path.read_text(errors="replace")
 
 
-def start_router(var_dir: Path, **env: str) -> RouterServer:
-    port = free_port()
+def start_router(var_dir: Path, port: int | None = None, **env: str) -> RouterServer:
+    port = port or free_port()
     log_path = var_dir / f"router-{port}.log"
     command = [
         sys.executable,

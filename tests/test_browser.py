@@ -26,6 +26,7 @@ from tests.conftest import (
     RouterServer,
     StartSimulator,
     free_port,
+    start_router,
     stop_process,
     wait_until,
 )
@@ -55,19 +56,25 @@ def browser() -> Iterator[Browser]:
     del os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"]
 
 
-@pytest.fixture
-def operator(router: RouterServer, browser: Browser) -> Iterator[Page]:
-    get_user_model().objects.create_user("operator", password=PASSWORD, is_staff=True)
+def logged_in_page(browser: Browser, base_url: str) -> Page:
+    if not get_user_model().objects.filter(username="operator").exists():
+        get_user_model().objects.create_user("operator", password=PASSWORD, is_staff=True)
     context = browser.new_context(viewport={"width": 1280, "height": 800})
     page = context.new_page()
-    page.goto(f"{router.url}/")
+    page.goto(f"{base_url}/")
     page.fill("#id_username", "operator")
     page.fill("#id_password", PASSWORD)
     page.click("input[type=submit]")
-    page.wait_for_url(f"{router.url}/")
+    page.wait_for_url(f"{base_url}/")
     expect(page.get_by_test_id("live-status")).to_have_text("Live")
+    return page
+
+
+@pytest.fixture
+def operator(router: RouterServer, browser: Browser) -> Iterator[Page]:
+    page = logged_in_page(browser, router.url)
     yield page
-    context.close()
+    page.context.close()
 
 
 def screenshot(page: Page, name: str) -> None:
@@ -180,3 +187,17 @@ def _serving(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_live_feed_reconnects_after_a_server_restart(browser: Browser, var_dir: Path) -> None:
+    server = start_router(var_dir)
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        page = logged_in_page(browser, server.url)
+        stop_process(server.proc)
+        expect(page.get_by_test_id("live-status")).to_have_text("Reconnecting…")
+        server = start_router(var_dir, port=port)
+        expect(page.get_by_test_id("live-status")).to_have_text("Live · reconnected", timeout=15000)
+        page.context.close()
+    finally:
+        stop_process(server.proc)

@@ -303,3 +303,26 @@ def test_metrics_endpoint_and_router_made_statuses_in_process() -> None:
     assert value(samples, REQUESTS, model="m", worker="", status="503") == 1
     # Rejected before any worker was chosen: counted, but not timed.
     assert f"{DURATION}_count" not in names(samples)
+
+
+@pytest.mark.django_db
+def test_only_the_longest_running_router_exports_the_fleet() -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from controlpanel import services
+
+    now = timezone.now()
+
+    def report(instance: str, started: object) -> bool:
+        return services.router_report(
+            instance_id=instance, hostname="h", pid=1, started_at=started,  # type: ignore[arg-type]
+            generation=0, inflight={},
+        )  # fmt: skip
+
+    assert report("old", now - timedelta(minutes=5)) is True
+    assert report("new", now) is False
+    assert report("old", now - timedelta(minutes=5)) is True
+    services.router_forget(instance_id="old")
+    assert report("new", now) is True  # the exporter left: the next one takes over

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from controlpanel.models import RoutingGeneration, ServedModel, Worker, WorkerSource
-from tests.conftest import AddWorker, RouterServer, StartSimulator, free_port
+from tests.conftest import AddWorker, RouterServer, StartSimulator, free_port, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -194,3 +194,28 @@ def test_failed_requests_take_a_dead_worker_out_of_rotation(router: RouterServer
     worker.refresh_from_db()
     assert "connect" in worker.last_error or "refused" in worker.last_error.lower()
     assert_openai_error(chat(router), 503)  # out of the rotation: no more doomed tries
+
+
+def test_error_rate_on_the_dashboard_comes_from_real_traffic(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
+    from controlpanel import dashboard
+
+    good = add_worker(simulator("m"))
+    bad = fake_worker(f"http://127.0.0.1:{free_port()}")
+    router.wait_routable(bad)
+    Worker.objects.filter(pk=good.pk).update(state="drained")
+    RoutingGeneration.bump()
+    router.wait_for(lambda seen: not seen[good.pk]["routable"])
+    assert_openai_error(chat(router), 502)  # one failure: still below the unhealthy mark
+    Worker.objects.filter(pk=good.pk).update(state="active")
+    Worker.objects.filter(pk=bad.pk).update(state="drained")
+    RoutingGeneration.bump()
+    router.wait_for(lambda seen: seen[good.pk]["routable"] and not seen[bad.pk]["routable"])
+    for _ in range(4):
+        assert chat(router).status_code == 200
+
+    def rates() -> dict[int, object]:
+        return {row.worker.pk: row.metrics["error_rate"] for row in dashboard.fleet_rows()}
+
+    wait_until(lambda: rates() == {good.pk: 0.0, bad.pk: 1.0})

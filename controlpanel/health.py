@@ -38,7 +38,7 @@ from controlpanel.models import (
     WorkerSample,
     WorkerState,
 )
-from controlpanel.services import _ensure_served_models, event_record, parse_model_list
+from controlpanel.services import event_record, parse_model_list, served_models_ensure
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def _write(worker: Worker, update: _Update, *, actor: str) -> bool:
         log.info("state of %s changed while a result was applied; result dropped", worker.url)
         return False
     if update.served_models is not None:
-        _ensure_served_models(update.served_models)
+        served_models_ensure(update.served_models)
     for kind, message in update.events:
         event_record(kind=kind, worker=worker, message=message, actor=actor)
     if update.events:

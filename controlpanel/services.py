@@ -153,7 +153,7 @@ def _default_name(url: str) -> str:
     return url.split("://", 1)[1]
 
 
-def _ensure_served_models(entries: list[dict[str, Any]]) -> None:
+def served_models_ensure(entries: list[dict[str, Any]]) -> None:
     for entry in entries:
         ServedModel.objects.get_or_create(name=entry["id"])
 
@@ -171,7 +171,7 @@ def worker_add(*, url: str, name: str = "", actor: str) -> Worker:
             source=WorkerSource.OPERATOR,
             models=entries,
         )
-        _ensure_served_models(entries)
+        served_models_ensure(entries)
         event_record(
             kind=EventKind.WORKER_JOINED,
             worker=worker,
@@ -209,7 +209,7 @@ def worker_register(
             )
         else:
             _reregister(worker, entries=entries, name=name, now=now, actor=actor)
-        _ensure_served_models(entries)
+        served_models_ensure(entries)
         RoutingGeneration.bump()
     return worker
 

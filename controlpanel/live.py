@@ -21,7 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
+from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from django.conf import settings
 from django.db import close_old_connections
 
 from controlpanel import dashboard
@@ -29,7 +31,21 @@ from controlpanel import dashboard
 log = logging.getLogger(__name__)
 
 GROUP = f"fleet-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+NUDGE_GROUP = "fleet-nudges"
 PUBLISH_INTERVAL = 0.4
+
+
+def nudge_dashboards() -> None:
+    """Tell every web process's publisher that something changed. Over Redis this reaches
+    them from any process, Celery included. The in-memory layer cannot carry it across
+    processes (nor safely across threads), so there the publishers' own polling serves."""
+    layer = get_channel_layer()
+    if layer is None or not settings.REDIS_URL:
+        return
+    try:
+        async_to_sync(layer.group_send)(NUDGE_GROUP, {"type": "fleet.nudge"})
+    except Exception:
+        log.warning("could not nudge the dashboards", exc_info=True)
 
 
 class LivePublisher:
@@ -38,23 +54,44 @@ class LivePublisher:
         self.subscribers = 0
         self._sent_keys: dict[int, tuple[Any, ...]] = {}
         self._sent_totals = ""
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="live")
-        self._task: asyncio.Task[None] | None = None
+        self._nudged = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="live-publisher")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="live")
+        self._nudged = asyncio.Event()
+        self._tasks = [
+            asyncio.create_task(self._loop(), name="live-publisher"),
+            asyncio.create_task(self._listen_for_nudges(), name="live-nudges"),
+        ]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         self._executor.shutdown(wait=False)
+
+    async def _listen_for_nudges(self) -> None:
+        """A change committed anywhere (Celery over Redis included) nudges every web
+        process, which then publishes at once instead of at its next tick."""
+        layer = get_channel_layer()
+        if layer is None:
+            return
+        channel = await layer.new_channel()
+        while True:
+            # Group membership expires in channels_redis; joining again is cheap.
+            await layer.group_add(NUDGE_GROUP, channel)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(layer.receive(channel), timeout=600)
+                self._nudged.set()
 
     async def _loop(self) -> None:
         layer = get_channel_layer()
         while True:
-            await asyncio.sleep(self.interval)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._nudged.wait(), timeout=self.interval)
+            self._nudged.clear()
             if not self.subscribers or layer is None:
                 continue
             try:

@@ -7,7 +7,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from django.db import models
+from django.db import models, transaction
 from django.db.models import F, JSONField
 from django.utils import timezone
 
@@ -124,6 +124,9 @@ class RoutingGeneration(models.Model):
 
     @classmethod
     def bump(cls) -> None:
+        from controlpanel.live import nudge_dashboards  # live imports the models
+
+        transaction.on_commit(nudge_dashboards)
         if not cls.objects.filter(pk=1).update(generation=F("generation") + 1):
             # A fresh row (new database, restored backup, flushed tables) starts at a random
             # point, so a router can never mistake the new count for the one it last saw.

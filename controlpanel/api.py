@@ -12,10 +12,12 @@ from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
-from ninja.security import HttpBearer, django_auth_is_staff
+from ninja.security import HttpBearer
+from ninja.security.session import SessionAuthIsStaff
 
 from controlpanel import services
-from controlpanel.models import Worker
+from controlpanel.models import ServedModel, Worker
+from routing.policies import POLICIES
 
 api = NinjaAPI(
     title="vLLM Control Panel API",
@@ -45,7 +47,17 @@ class WorkerToken(_TokenBearer):
     setting = "CONTROLPANEL_WORKER_TOKEN"
 
 
-ADMIN_AUTH = [AdminToken(), django_auth_is_staff]
+class StaffSession(SessionAuthIsStaff):
+    """A logged-in staff browser; CSRF is checked only when a session cookie is present,
+    so a caller with no credentials at all gets a 401 that says what to send, not a 403."""
+
+    def _get_key(self, request: HttpRequest) -> str | None:
+        if self.param_name not in request.COOKIES:
+            return None
+        return super()._get_key(request)
+
+
+ADMIN_AUTH = [AdminToken(), StaffSession()]
 AGENT_AUTH = [WorkerToken()]
 
 
@@ -75,6 +87,11 @@ def _service_error(request: HttpRequest, exc: services.ServiceError) -> HttpResp
 @api.exception_handler(Worker.DoesNotExist)
 def _no_worker(request: HttpRequest, exc: Exception) -> HttpResponse:
     return _error(request, 404, "no such worker; register again", "NotFoundError")
+
+
+@api.exception_handler(ServedModel.DoesNotExist)
+def _no_model(request: HttpRequest, exc: Exception) -> HttpResponse:
+    return _error(request, 404, "no such model", "NotFoundError")
 
 
 @api.exception_handler(ValidationError)
@@ -138,6 +155,28 @@ class WorkerIn(Schema):
     name: str = ""
 
 
+class WorkerPatch(Schema):
+    name: str | None = None
+    weight: float | None = None
+
+
+class ServedModelOut(Schema):
+    name: str
+    policy: str
+    policy_config: dict[str, Any]
+    workers: list[int]
+    updated_at: datetime
+
+    @staticmethod
+    def resolve_workers(obj: ServedModel) -> list[int]:
+        return [w.pk for w in Worker.objects.all() if obj.name in w.model_ids]
+
+
+class ServedModelPatch(Schema):
+    policy: str
+    policy_config: dict[str, Any] | None = None
+
+
 class RegisterIn(Schema):
     url: str
     name: str = ""
@@ -189,6 +228,37 @@ def workers_drain(request: HttpRequest, worker_id: int) -> Any:
 )
 def workers_activate(request: HttpRequest, worker_id: int) -> Any:
     return services.worker_activate(worker_id=worker_id, actor=_actor(request))
+
+
+@api.patch("/workers/{int:worker_id}", response=WorkerOut, auth=ADMIN_AUTH, tags=["workers"])
+def workers_update(request: HttpRequest, worker_id: int, payload: WorkerPatch) -> Any:
+    return services.worker_update(
+        worker_id=worker_id, name=payload.name, weight=payload.weight, actor=_actor(request)
+    )
+
+
+@api.get("/models", response=list[ServedModelOut], auth=ADMIN_AUTH, tags=["models"])
+def models_list(request: HttpRequest) -> Any:
+    return ServedModel.objects.all()
+
+
+@api.get("/models/{path:name}", response=ServedModelOut, auth=ADMIN_AUTH, tags=["models"])
+def models_get(request: HttpRequest, name: str) -> Any:
+    return ServedModel.objects.get(name=name)
+
+
+@api.patch("/models/{path:name}", response=ServedModelOut, auth=ADMIN_AUTH, tags=["models"])
+def models_set_policy(request: HttpRequest, name: str, payload: ServedModelPatch) -> Any:
+    """Choose the balancing policy of one model (names: see GET /api/policies)."""
+    return services.served_model_set_policy(
+        name=name, policy=payload.policy, policy_config=payload.policy_config,
+        actor=_actor(request),
+    )  # fmt: skip
+
+
+@api.get("/policies", response=list[str], auth=ADMIN_AUTH, tags=["models"])
+def policies_list(request: HttpRequest) -> Any:
+    return sorted(POLICIES)
 
 
 @api.delete("/workers/{int:worker_id}", response={204: None}, auth=ADMIN_AUTH, tags=["workers"])

@@ -52,6 +52,8 @@ class Worker(models.Model):
     source = models.CharField(max_length=16, choices=WorkerSource.choices)
     last_heartbeat = models.DateTimeField(null=True, blank=True)
     queue_length = models.PositiveIntegerField(null=True, blank=True)
+    # Relative share for weighted policies (`random`); 0 takes a worker out of their draw.
+    weight = models.FloatField(default=1.0)
     # The routing generation that announced the drain: a router that has not yet reported
     # from a snapshot at least this new may still pick the worker, so the drain waits for it.
     drain_generation = models.BigIntegerField(null=True, blank=True)
@@ -189,6 +191,7 @@ class EventKind(models.TextChoices):
     WORKER_RECOVERED = "worker_recovered"
     WORKER_SLEEPING = "worker_sleeping"
     WORKER_AWAKE = "worker_awake"
+    POLICY_CHANGED = "policy_changed"
 
 
 class Event(models.Model):

@@ -37,6 +37,7 @@ def worker_view(worker: Worker, *, now: datetime) -> WorkerView:
         queue_length=worker.queue_length,
         last_heartbeat=worker.last_heartbeat.timestamp() if worker.last_heartbeat else None,
         routable=routable,
+        weight=worker.weight,
         running=metrics.get("running"),
         waiting=metrics.get("waiting"),
         kv_cache_usage=metrics.get("kv_cache_usage"),

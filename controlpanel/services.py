@@ -63,6 +63,14 @@ class InvalidTransition(ServiceError):
     status = 409
 
 
+class InvalidPolicy(ServiceError):
+    status = 422
+
+
+class InvalidWeight(ServiceError):
+    status = 422
+
+
 # --- discovery ---------------------------------------------------------------------------
 
 
@@ -417,6 +425,52 @@ def router_report(
 
 def router_forget(*, instance_id: str) -> None:
     RouterInstance.objects.filter(instance_id=instance_id).delete()
+
+
+# --- models and policies ---------------------------------------------------------------
+
+
+def served_model_set_policy(
+    *, name: str, policy: str, policy_config: dict[str, Any] | None, actor: str
+) -> ServedModel:
+    """Change how a model's requests are balanced; routers apply it on their next poll.
+    The configuration is checked by building the policy here, so a typo is refused now
+    rather than discovered by the router."""
+    from routing.policies import UnknownPolicy, policy_class
+
+    config = policy_config or {}
+    try:
+        policy_class(policy)(config)
+    except (UnknownPolicy, ValueError, TypeError) as exc:
+        raise InvalidPolicy(str(exc)) from exc
+    with transaction.atomic():
+        model = ServedModel.objects.select_for_update().get(name=name)
+        previous = model.policy
+        model.policy, model.policy_config = policy, config
+        model.save(update_fields=["policy", "policy_config", "updated_at"])
+        event_record(
+            kind=EventKind.POLICY_CHANGED,
+            worker=None,
+            message=f"{name}: {previous} -> {policy} {config or ''}".rstrip(),
+            actor=actor,
+            data={"model": name, "policy": policy, "policy_config": config},
+        )
+        RoutingGeneration.bump()
+    return model
+
+
+def worker_update(*, worker_id: int, name: str | None, weight: float | None, actor: str) -> Worker:
+    if weight is not None and weight < 0:
+        raise InvalidWeight("weight cannot be negative")
+    with transaction.atomic():
+        worker = Worker.objects.select_for_update().get(pk=worker_id)
+        if name:
+            worker.name = name
+        if weight is not None:
+            worker.weight = weight
+        worker.save(update_fields=["name", "weight", "updated_at"])
+        RoutingGeneration.bump()
+    return worker
 
 
 # --- accounts ------------------------------------------------------------------------------

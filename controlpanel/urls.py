@@ -14,6 +14,7 @@ urlpatterns = [
     path("workers/<int:worker_id>/activate", views.worker_activate, name="worker-activate"),
     path("workers/<int:worker_id>/remove", views.worker_remove, name="worker-remove"),
     path("models/", views.models_page, name="models"),
+    path("models/policy", views.model_policy, name="model-policy"),
     path("events/", views.events_page, name="events"),
     path("admin/", admin.site.urls),
     path("api/", api.urls),

@@ -3,6 +3,7 @@ act through services, redirect back, and let the live feed tell every other brow
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from django.contrib import messages
@@ -13,6 +14,7 @@ from django.views.decorators.http import require_POST
 
 from controlpanel import dashboard, services
 from controlpanel.models import Event, EventKind, ServedModel, Worker
+from routing.policies import POLICIES
 
 
 def _actor(request: HttpRequest) -> str:
@@ -53,7 +55,8 @@ def worker_detail(request: HttpRequest, worker_id: int) -> HttpResponse:
 @staff_member_required
 def models_page(request: HttpRequest) -> HttpResponse:
     rows = dashboard.fleet_rows()
-    policies = dict(ServedModel.objects.values_list("name", "policy"))
+    served = {m.name: m for m in ServedModel.objects.all()}
+    policies = {name: m.policy for name, m in served.items()}
     cards: dict[str, dict[str, Any]] = {}
     for row in rows:
         for entry in row.worker.models:
@@ -66,12 +69,34 @@ def models_page(request: HttpRequest) -> HttpResponse:
     for name, policy in policies.items():
         cards.setdefault(name, {"name": name, "parent": None, "rows": [], "policy": policy})
     for card in cards.values():
+        config = served[card["name"]].policy_config if card["name"] in served else {}
+        card["policy_config"], card["policy_config_json"] = config, json.dumps(config)
         card["routable"] = sum(r.routable for r in card["rows"])
         card["inflight"] = sum(r.inflight for r in card["rows"])
         rates = [r.metrics.get("rps") for r in card["rows"] if r.metrics.get("rps") is not None]
         card["rps"] = sum(rates) if rates else None
-    context = {"models": sorted(cards.values(), key=lambda c: c["name"])}
+    context = {"models": sorted(cards.values(), key=lambda c: c["name"]), "policies": sorted(POLICIES)}
     return render(request, "controlpanel/models.html", context)
+
+
+@staff_member_required
+@require_POST
+def model_policy(request: HttpRequest) -> HttpResponse:
+    name, policy = request.POST.get("model", ""), request.POST.get("policy", "")
+    try:
+        config = json.loads(request.POST.get("policy_config") or "{}")
+        if not isinstance(config, dict):
+            raise ValueError("the configuration must be a JSON object")
+        services.served_model_set_policy(
+            name=name, policy=policy, policy_config=config, actor=_actor(request)
+        )
+    except (ValueError, services.ServiceError) as exc:
+        messages.error(request, f"Policy of {name} not changed: {exc}")
+    except ServedModel.DoesNotExist:
+        messages.error(request, f"No model named {name}.")
+    else:
+        messages.success(request, f"{name} is now balanced with {policy}.")
+    return redirect("models")
 
 
 @staff_member_required

@@ -63,6 +63,7 @@ from prometheus_client.registry import Collector
 from routing.snapshot import WorkerView
 
 if TYPE_CHECKING:
+    from routing.policies.base import BasePolicy
     from routing.proxy import RouterApp
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -195,6 +196,7 @@ class RouterCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         app = self.app
         yield from router_families(app.metrics, app.inflight, app.snapshot.workers)
+        yield policy_decisions_family(app.route_policies())
         if app.exports_fleet_metrics:
             yield from worker_families(app.snapshot.workers, app.metrics)
 
@@ -207,6 +209,20 @@ class CollectedFamilies(Collector):
 
     def collect(self) -> Iterator[Metric]:
         return iter(self.families)
+
+
+def policy_decisions_family(policies: Mapping[str, BasePolicy]) -> Metric:
+    """How each model's policy made its choices (e.g. prefix_aware: prefix vs load;
+    least_kv: kv vs fallback). Counts restart when a model's policy or config changes."""
+    family = CounterMetricFamily(
+        "controlpanel_router_policy_decisions",
+        "Routing decisions by model, policy and the reason the policy gave.",
+        labels=["model", "policy", "decision"],
+    )
+    for model, policy in policies.items():
+        for decision, count in policy.decisions.items():
+            family.add_metric([model, policy.name, decision], count)
+    return family
 
 
 def render(collector: Collector) -> bytes:

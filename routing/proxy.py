@@ -13,8 +13,9 @@ import gc
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
+from functools import partial
 from time import perf_counter
 from typing import Any
 
@@ -163,6 +164,10 @@ class RouterApp:
         policies = {name: self._policy_for(route, kept) for name, route in snapshot.routes.items()}
         self.metrics.name_workers(snapshot.workers)
         self.snapshot, self._route_policies, self._policies = snapshot, policies, kept
+
+    def route_policies(self) -> Mapping[str, BasePolicy]:
+        """The policy instance deciding for each model now (for /metrics)."""
+        return self._route_policies
 
     def take_passive_failures(self) -> dict[int, tuple[int, str]]:
         """The failures seen since the last call, as worker id -> (count, last cause)."""
@@ -340,8 +345,11 @@ class RouterApp:
         self.inflight[worker.id] += 1
         policy.on_request_start(worker, request)
         ok = False
+        first_byte = partial(policy.on_first_byte, worker, request)
         try:
-            ok = await self._forward_watching_client(scope, receive, send, worker, body, trace)
+            ok = await self._forward_watching_client(
+                scope, receive, send, worker, body, trace, first_byte
+            )
         finally:
             self.inflight[worker.id] -= 1
             policy.on_request_complete(worker, request, ok)
@@ -354,6 +362,7 @@ class RouterApp:
         worker: WorkerView,
         body: bytes,
         trace: RequestTrace,
+        first_byte: Callable[[], None],
     ) -> bool:
         """Run the forward while watching for the client leaving; if it leaves, cancel the
         forward, which closes the upstream connection instead of finishing the generation."""
@@ -362,7 +371,7 @@ class RouterApp:
         state = {"done": False, "gone": False}
         watcher = asyncio.create_task(_watch_disconnect(receive, forward, state))
         try:
-            return await self._forward(scope, send, worker, body, state, trace)
+            return await self._forward(scope, send, worker, body, state, trace, first_byte)
         except asyncio.CancelledError:
             if not state["gone"]:
                 raise
@@ -380,6 +389,7 @@ class RouterApp:
         body: bytes,
         state: dict[str, bool],
         trace: RequestTrace,
+        first_byte: Callable[[], None],
     ) -> bool:
         session = self._session or await self._lazy_session()
         url = worker.url + scope["path"]
@@ -398,7 +408,7 @@ class RouterApp:
             await _reject(send, trace, 502, f"worker {worker.name} is unreachable: {exc}")
             return False
         try:
-            return await self._relay(send, upstream, worker, state, trace)
+            return await self._relay(send, upstream, worker, state, trace, first_byte)
         finally:
             if state["gone"] or not upstream.content.at_eof():
                 upstream.close()  # the connection is mid-message: never reuse it
@@ -412,6 +422,7 @@ class RouterApp:
         worker: WorkerView,
         state: dict[str, bool],
         trace: RequestTrace,
+        first_byte: Callable[[], None],
     ) -> bool:
         status = upstream.status
         if status >= 500:
@@ -430,6 +441,7 @@ class RouterApp:
             if chunk := await content.readany():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 trace.first_byte = perf_counter()
+                first_byte()
             while chunk := await content.readany():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (TimeoutError, aiohttp.ClientError) as exc:

@@ -1,0 +1,46 @@
+"""Power of two choices: draw two distinct workers at random, send to the less loaded.
+
+Load is the router's in-flight count for the worker plus the queue length it last reported
+(see routing.policies.load). Comparing just two random workers costs O(1) whatever the
+fleet's size, yet keeps the maximum load exponentially closer to the mean than a purely
+random choice does; and because the candidates are random, several routers working from the
+same slightly stale queue lengths do not all pile onto the one worker that looked emptiest,
+as a global shortest-queue choice can. On a tie either candidate may win (the first drawn,
+itself random). With one worker it is returned; with none, None.
+
+`rng` is a per-instance `random.Random`, so tests and simulations can seed it. No config
+knobs: the config must be empty.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from routing.policies.base import BasePolicy, RequestInfo
+from routing.policies.load import no_config
+from routing.snapshot import WorkerView
+
+
+class PowerOfTwoPolicy(BasePolicy):
+    name = "power_of_two"
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        no_config(self.name, self.config)
+        self.rng = random.Random()
+
+    def select(
+        self, workers: Sequence[WorkerView], request: RequestInfo, inflight: Mapping[int, int]
+    ) -> WorkerView | None:
+        n = len(workers)
+        if n <= 1:
+            return workers[0] if n else None
+        draw = self.rng.random
+        i = int(draw() * n)
+        j = int(draw() * (n - 1))  # one of the other n-1: skip over i
+        first, second = workers[i], workers[j + 1 if j >= i else j]
+        first_load = inflight.get(first.id, 0) + (first.queue_length or 0)
+        second_load = inflight.get(second.id, 0) + (second.queue_length or 0)
+        return second if second_load < first_load else first

@@ -1,0 +1,62 @@
+"""Choosing a model's balancing policy at run time, through the API and the dashboard."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from controlpanel.models import Event, ServedModel
+from tests.conftest import ADMIN_HEADERS, AddWorker, RouterServer, StartSimulator
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def patch_policy(router: RouterServer, model: str, body: dict[str, object]) -> httpx.Response:
+    return httpx.patch(f"{router.url}/api/models/{model}", json=body, headers=ADMIN_HEADERS)
+
+
+def test_models_api_lists_and_changes_policies(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
+    worker = add_worker(simulator("org/m"))
+    listed = router.get("/api/models", headers=ADMIN_HEADERS).json()
+    assert listed == [
+        {"name": "org/m", "policy": "shortest_queue", "policy_config": {},
+         "workers": [worker.pk], "updated_at": listed[0]["updated_at"]}
+    ]  # fmt: skip
+    assert "shortest_queue" in router.get("/api/policies", headers=ADMIN_HEADERS).json()
+    changed = patch_policy(router, "org/m", {"policy": "shortest_queue", "policy_config": {}})
+    assert changed.status_code == 200 and changed.json()["policy"] == "shortest_queue"
+    assert Event.objects.filter(kind="policy_changed").count() == 1
+
+
+def test_bad_policy_changes_are_refused_clearly(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
+    add_worker(simulator("m"))
+    unknown = patch_policy(router, "m", {"policy": "fastest"})
+    assert unknown.status_code == 422
+    assert "unknown policy 'fastest'" in unknown.json()["error"]["message"]
+    assert patch_policy(router, "nope", {"policy": "shortest_queue"}).status_code == 404
+    no_auth = httpx.patch(f"{router.url}/api/models/m", json={"policy": "shortest_queue"})
+    assert no_auth.status_code == 401
+    assert ServedModel.objects.get(name="m").policy == "shortest_queue"
+
+
+def test_worker_weight_and_name_can_be_changed(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
+    worker = add_worker(simulator("m"))
+    response = httpx.patch(
+        f"{router.url}/api/workers/{worker.pk}",
+        json={"weight": 2.5, "name": "renamed"},
+        headers=ADMIN_HEADERS,
+    )
+    assert response.status_code == 200 and response.json()["name"] == "renamed"
+    worker.refresh_from_db()
+    assert worker.weight == 2.5
+    negative = httpx.patch(
+        f"{router.url}/api/workers/{worker.pk}", json={"weight": -1}, headers=ADMIN_HEADERS
+    )
+    assert negative.status_code == 422
+    router.wait_for(lambda seen: seen[worker.pk]["name"] == "renamed")

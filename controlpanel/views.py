@@ -75,7 +75,10 @@ def models_page(request: HttpRequest) -> HttpResponse:
         card["inflight"] = sum(r.inflight for r in card["rows"])
         rates = [r.metrics.get("rps") for r in card["rows"] if r.metrics.get("rps") is not None]
         card["rps"] = sum(rates) if rates else None
-    context = {"models": sorted(cards.values(), key=lambda c: c["name"]), "policies": sorted(POLICIES)}
+    context = {
+        "models": sorted(cards.values(), key=lambda c: c["name"]),
+        "policies": sorted(POLICIES),
+    }
     return render(request, "controlpanel/models.html", context)
 
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from routing.policies.base import BasePolicy, RequestInfo
-from routing.policies.load import no_config
+from routing.policies.load import load_of, no_config
 from routing.snapshot import WorkerView
 
 
@@ -37,10 +37,8 @@ class PowerOfTwoPolicy(BasePolicy):
         n = len(workers)
         if n <= 1:
             return workers[0] if n else None
-        draw = self.rng.random
+        draw = self.rng.random  # int(random() * n) < n for any n < 2**53; randrange is slower
         i = int(draw() * n)
         j = int(draw() * (n - 1))  # one of the other n-1: skip over i
         first, second = workers[i], workers[j + 1 if j >= i else j]
-        first_load = inflight.get(first.id, 0) + (first.queue_length or 0)
-        second_load = inflight.get(second.id, 0) + (second.queue_length or 0)
-        return second if second_load < first_load else first
+        return second if load_of(second, inflight) < load_of(first, inflight) else first

@@ -196,6 +196,7 @@ class RouterCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         app = self.app
         yield from router_families(app.metrics, app.inflight, app.snapshot.workers)
+        yield policy_info_family(app.route_policies())
         yield policy_decisions_family(app.route_policies())
         if app.exports_fleet_metrics:
             yield from worker_families(app.snapshot.workers, app.metrics)
@@ -209,6 +210,18 @@ class CollectedFamilies(Collector):
 
     def collect(self) -> Iterator[Metric]:
         return iter(self.families)
+
+
+def policy_info_family(policies: Mapping[str, BasePolicy]) -> Metric:
+    """Which policy each model uses right now (value 1), so a change can be seen to land."""
+    family = GaugeMetricFamily(
+        "controlpanel_router_model_policy",
+        "The balancing policy this router applies to each model (always 1).",
+        labels=["model", "policy"],
+    )
+    for model, policy in policies.items():
+        family.add_metric([model, policy.name], 1)
+    return family
 
 
 def policy_decisions_family(policies: Mapping[str, BasePolicy]) -> Metric:

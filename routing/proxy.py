@@ -34,6 +34,7 @@ from routing.metrics import (
 )
 from routing.policies import make_policy
 from routing.policies.base import BasePolicy, RequestInfo
+from routing.request_text import request_text
 from routing.snapshot import ModelRoute, Snapshot, WorkerView
 
 log = logging.getLogger(__name__)
@@ -284,7 +285,9 @@ class RouterApp:
         if route is None or policy is None:
             return await _reject(send, trace, 404, f"The model `{model}` does not exist.", "model")
         trace.model = model  # only now: a served name, so the label set stays bounded
-        request = RequestInfo(model=model, body=payload, raw_headers=scope["headers"])
+        # The prompt as text costs CPU, so only a policy that uses it gets it.
+        text = request_text(payload) if policy.needs_request_text else None
+        request = RequestInfo(model=model, body=payload, raw_headers=scope["headers"], text=text)
         worker = policy.select(route.workers, request, self.inflight)
         if worker is None:
             return await _reject(

@@ -60,3 +60,24 @@ def test_worker_weight_and_name_can_be_changed(
     )
     assert negative.status_code == 422
     router.wait_for(lambda seen: seen[worker.pk]["name"] == "renamed")
+
+
+def test_dashboard_changes_a_policy(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
+    from tests.test_pages import logged_in
+
+    add_worker(simulator("m"))
+    session = logged_in(router)
+    token = session.cookies["csrftoken"]
+    page = session.get("/models/").text
+    assert 'data-testid="policy-select"' in page and "prefix_aware" in page
+    form = {"model": "m", "policy": "round_robin", "policy_config": "{}",
+            "csrfmiddlewaretoken": token}  # fmt: skip
+    assert session.post("/models/policy", data=form).status_code == 302
+    assert "m is now balanced with round_robin." in session.get("/models/").text
+    assert ServedModel.objects.get(name="m").policy == "round_robin"
+    bad = {**form, "policy": "least_kv", "policy_config": '{"max_metrics_age": "soon"'}
+    session.post("/models/policy", data=bad)
+    assert "Policy of m not changed" in session.get("/models/").text
+    assert ServedModel.objects.get(name="m").policy == "round_robin"

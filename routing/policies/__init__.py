@@ -13,6 +13,12 @@ log = logging.getLogger(__name__)
 
 POLICIES: dict[str, str] = {
     "shortest_queue": "routing.policies.shortest_queue.ShortestQueuePolicy",
+    "round_robin": "routing.policies.round_robin.RoundRobinPolicy",
+    "random": "routing.policies.weighted_random.WeightedRandomPolicy",
+    "power_of_two": "routing.policies.power_of_two.PowerOfTwoPolicy",
+    "least_kv": "routing.policies.least_kv.LeastKVPolicy",
+    "session_affinity": "routing.policies.session_affinity.SessionAffinityPolicy",
+    "prefix_aware": "routing.policies.prefix_aware.PrefixAwarePolicy",
 }
 DEFAULT_POLICY = "shortest_queue"
 

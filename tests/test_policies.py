@@ -1,0 +1,590 @@
+"""Unit tests of the balancing policies: pure functions of WorkerViews, no database, no network.
+
+Distribution tests count choices over thousands of calls (as SGLang's power-of-two test does)
+with seeded generators where the policy has one, so they are deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from hashlib import blake2b
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from routing.policies import POLICIES, make_policy, policy_class
+from routing.policies.base import BasePolicy, RequestInfo
+from routing.policies.least_kv import LeastKVPolicy
+from routing.policies.load import by_queue_length, least_loaded, load_of
+from routing.policies.power_of_two import PowerOfTwoPolicy
+from routing.policies.round_robin import RoundRobinPolicy
+from routing.policies.session_affinity import SessionAffinityPolicy
+from routing.policies.weighted_random import WeightedRandomPolicy
+from routing.snapshot import ModelEntry, WorkerView
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_INFLIGHT: Mapping[int, int] = {}
+REQUEST = RequestInfo(model="m", body={}, raw_headers=(), text="hello")
+BASE = WorkerView(
+    id=1,
+    name="w1",
+    url="http://127.0.0.1:9001",
+    state="healthy",
+    source="static",
+    models=(ModelEntry("m"),),
+    queue_length=0,
+    last_heartbeat=None,
+    routable=True,
+)
+
+
+def worker(worker_id: int, **changes: Any) -> WorkerView:
+    return replace(
+        BASE,
+        id=worker_id,
+        name=f"w{worker_id}",
+        url=f"http://127.0.0.1:{9000 + worker_id}",
+        **changes,
+    )
+
+
+def fleet(n: int, **changes: Any) -> tuple[WorkerView, ...]:
+    return tuple(worker(i, **changes) for i in range(1, n + 1))
+
+
+def counts(
+    policy: BasePolicy,
+    workers: Sequence[WorkerView],
+    calls: int,
+    inflight: Mapping[int, int] = NO_INFLIGHT,
+    request: RequestInfo = REQUEST,
+) -> Counter[int]:
+    picked: Counter[int] = Counter()
+    for _ in range(calls):
+        chosen = policy.select(workers, request, inflight)
+        assert chosen is not None
+        picked[chosen.id] += 1
+    return picked
+
+
+def pick(
+    policy: BasePolicy,
+    workers: Sequence[WorkerView],
+    request: RequestInfo,
+    inflight: Mapping[int, int],
+) -> WorkerView:
+    chosen = policy.select(workers, request, inflight)
+    assert chosen is not None
+    return chosen
+
+
+def session(
+    key: str | None = None, user: str | None = None, header: bytes = b"x-session-id"
+) -> RequestInfo:
+    headers = [(b"content-type", b"application/json")]
+    if key is not None:
+        headers.append((header, key.encode("latin-1")))
+    body: dict[str, Any] = {"model": "m", "messages": []}
+    if user is not None:
+        body["user"] = user
+    return RequestInfo(model="m", body=body, raw_headers=headers)
+
+
+# --- the registry ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_registered_policy_builds_with_default_config_and_selects(name: str) -> None:
+    policy = make_policy(name)
+    assert type(policy) is policy_class(name)
+    assert policy.name == name
+    workers = fleet(3)
+    assert policy.select(workers, REQUEST, NO_INFLIGHT) in workers
+    assert policy.select((), REQUEST, NO_INFLIGHT) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("round_robin", RoundRobinPolicy),
+        ("random", WeightedRandomPolicy),
+        ("power_of_two", PowerOfTwoPolicy),
+        ("least_kv", LeastKVPolicy),
+        ("session_affinity", SessionAffinityPolicy),
+    ],
+)
+def test_policies_are_registered_by_name(name: str, cls: type[BasePolicy]) -> None:
+    assert policy_class(name) is cls
+    assert not cls.needs_request_text
+
+
+@pytest.mark.parametrize(
+    ("name", "config"),
+    [
+        ("round_robin", {"start": 1}),
+        ("random", {"weights": [1, 2]}),
+        ("power_of_two", {"choices": 3}),
+        ("least_kv", {"max_metric_age": 15}),  # misspelt
+        ("least_kv", {"max_metrics_age": 0}),
+        ("least_kv", {"max_metrics_age": -1}),
+        ("least_kv", {"max_metrics_age": "15"}),
+        ("least_kv", {"max_metrics_age": True}),
+        ("least_kv", {"max_metrics_age": float("nan")}),
+        ("least_kv", {"max_metrics_age": float("inf")}),
+        ("least_kv", {"inflight_weight": -0.01}),
+        ("least_kv", {"inflight_weight": None}),
+        ("session_affinity", {"header": ""}),
+        ("session_affinity", {"header": " X-Session-ID"}),
+        ("session_affinity", {"header": 7}),
+        ("session_affinity", {"header": "X-Sitzung-€"}),
+        ("session_affinity", {"max_load": -1}),
+        ("session_affinity", {"max_load": 1.5}),
+        ("session_affinity", {"max_load": "32"}),
+        ("session_affinity", {"max_load": False}),
+        ("session_affinity", {"cache_size": -5}),
+        ("session_affinity", {"sticky": True}),
+    ],
+)
+def test_bad_config_raises_value_error(name: str, config: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=name):
+        policy_class(name)(config)
+
+
+def test_good_config_is_read() -> None:
+    kv = LeastKVPolicy({"max_metrics_age": 30, "inflight_weight": 0})
+    assert (kv.max_metrics_age, kv.inflight_weight) == (30.0, 0.0)
+    affinity = SessionAffinityPolicy({"header": "X-Conv", "max_load": 4.0, "cache_size": 0})
+    assert (affinity.header, affinity.max_load, affinity.cache_size) == (b"x-conv", 4, 0)
+    assert SessionAffinityPolicy().header == b"x-session-id"
+
+
+# --- shared load helpers ------------------------------------------------------------------
+
+
+def test_least_loaded_matches_brute_force() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        workers = tuple(
+            worker(i, queue_length=rng.choice([None, 0, 1, 2, 5]))
+            for i in range(rng.randint(1, 30))
+        )
+        inflight = {w.id: rng.randint(0, 4) for w in workers if rng.random() < 0.6}
+        ordered = by_queue_length(workers)
+        expected = min(ordered, key=lambda w: load_of(w, inflight))
+        assert least_loaded(ordered, inflight) is expected
+    assert least_loaded((), NO_INFLIGHT) is None
+
+
+# --- round robin --------------------------------------------------------------------------
+
+
+def test_round_robin_even_counts_in_id_order() -> None:
+    policy = RoundRobinPolicy()
+    workers = (worker(3), worker(1), worker(2))
+    picks = [policy.select(workers, REQUEST, NO_INFLIGHT) for _ in range(300)]
+    assert [w.id for w in picks if w][:6] == [1, 2, 3, 1, 2, 3]
+    assert Counter(w.id for w in picks if w) == {1: 100, 2: 100, 3: 100}
+
+
+def test_round_robin_ignores_load() -> None:
+    policy = RoundRobinPolicy()
+    workers = (worker(1, queue_length=100), worker(2))
+    assert counts(policy, workers, 10, {1: 50}) == {1: 5, 2: 5}
+
+
+def test_round_robin_is_stable_when_workers_change() -> None:
+    policy = RoundRobinPolicy()
+    one, two, three, four = worker(1), worker(2), worker(3), worker(4)
+
+    def ids(workers: Sequence[WorkerView], calls: int) -> list[int]:
+        return [
+            w.id for w in (policy.select(workers, REQUEST, NO_INFLIGHT) for _ in range(calls)) if w
+        ]
+
+    assert ids((one, two, three), 2) == [1, 2]
+    assert ids([one, two, three, four], 3) == [3, 4, 1]  # a joiner slots in by id
+    assert ids((one, three, four), 3) == [3, 4, 1]  # 2 left: skipped, nobody picked twice
+    assert ids((four,), 2) == [4, 4]
+    assert ids((one, two), 3) == [1, 2, 1]  # the last id (4) is gone: wrap around
+    assert policy.select((), REQUEST, NO_INFLIGHT) is None
+
+
+# --- weighted random ----------------------------------------------------------------------
+
+
+def test_random_follows_weights() -> None:
+    policy = WeightedRandomPolicy()
+    policy.rng.seed(1)
+    workers = (worker(1, weight=1.0), worker(2, weight=2.0), worker(3, weight=3.0))
+    picked = counts(policy, workers, 60_000)
+    for worker_id, share in ((1, 1 / 6), (2, 2 / 6), (3, 3 / 6)):
+        assert abs(picked[worker_id] / 60_000 - share) < 0.01, picked
+
+
+def test_random_never_picks_non_positive_weights() -> None:
+    policy = WeightedRandomPolicy()
+    workers = (worker(1, weight=0.0), worker(2, weight=-1.0), worker(3, weight=0.5))
+    assert counts(policy, workers, 500) == {3: 500}
+
+
+def test_random_is_uniform_when_no_weight_is_positive() -> None:
+    policy = WeightedRandomPolicy()
+    policy.rng.seed(2)
+    picked = counts(policy, fleet(3, weight=0.0), 30_000)
+    assert set(picked) == {1, 2, 3}
+    assert all(abs(n / 30_000 - 1 / 3) < 0.02 for n in picked.values()), picked
+
+
+def test_random_reindexes_a_new_worker_list() -> None:
+    policy = WeightedRandomPolicy()
+    assert counts(policy, (worker(1), worker(2, weight=0.0)), 50) == {1: 50}
+    assert counts(policy, (worker(1, weight=0.0), worker(2)), 50) == {2: 50}
+
+
+# --- power of two -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("via", ["inflight", "queue_length"])
+def test_power_of_two_prefers_less_loaded(via: str) -> None:
+    policy = PowerOfTwoPolicy()
+    policy.rng.seed(3)
+    loads = {1: 10, 2: 5, 3: 0}
+    if via == "inflight":
+        workers, inflight = fleet(3), loads
+    else:
+        workers, inflight = tuple(worker(i, queue_length=n) for i, n in loads.items()), {}
+    picked = counts(policy, workers, 3000, inflight)
+    # Each of the three pairs is drawn ~1/3 of the time: the idle worker wins two pairs, the
+    # middle one one pair, the busiest none.
+    assert picked[3] > picked[2] > picked[1]
+    assert picked[1] == 0
+    assert 1800 < picked[3] < 2200, picked
+
+
+def test_power_of_two_draws_two_distinct_workers() -> None:
+    policy = PowerOfTwoPolicy()
+    # With two workers, distinct candidates means both, every time: the busy one never wins.
+    assert counts(policy, fleet(2), 500, {1: 1}) == {2: 500}
+
+
+def test_power_of_two_tie_goes_either_way() -> None:
+    policy = PowerOfTwoPolicy()
+    policy.rng.seed(4)
+    picked = counts(policy, fleet(2), 2000)
+    assert 800 < picked[1] < 1200, picked
+
+
+def test_power_of_two_single_worker() -> None:
+    only = worker(9, queue_length=1000)
+    assert PowerOfTwoPolicy().select((only,), REQUEST, NO_INFLIGHT) is only
+
+
+# --- least KV -----------------------------------------------------------------------------
+
+
+def fresh(worker_id: int, kv: float | None, age: float | None = 1.0, **changes: Any) -> WorkerView:
+    return worker(worker_id, kv_cache_usage=kv, metrics_age=age, **changes)
+
+
+def test_least_kv_picks_lowest_usage() -> None:
+    policy = LeastKVPolicy()
+    workers = (fresh(1, 0.5), fresh(2, 0.2), fresh(3, 0.8))
+    assert counts(policy, workers, 20) == {2: 20}
+    assert policy.decisions == {"kv": 20}
+
+
+def test_least_kv_breaks_ties_by_inflight() -> None:
+    for config in ({}, {"inflight_weight": 0}):
+        policy = LeastKVPolicy(config)
+        workers = (fresh(1, 0.3), fresh(2, 0.3), fresh(3, 0.3))
+        assert counts(policy, workers, 5, {1: 3, 2: 1, 3: 2}) == {2: 5}
+
+
+def test_least_kv_inflight_penalty_spreads_a_burst() -> None:
+    policy = LeastKVPolicy()  # 0.01 per request in flight
+    workers = (fresh(1, 0.10), fresh(2, 0.13))
+    inflight: Counter[int] = Counter()
+    for _ in range(20):
+        chosen = policy.select(workers, REQUEST, inflight)
+        assert chosen is not None
+        inflight[chosen.id] += 1  # as the router does before on_request_start
+    # 0.10 + n1 * 0.01 vs 0.13 + n2 * 0.01: the second starts taking requests after 3.
+    assert inflight[2] > 0
+    assert abs((inflight[1] - inflight[2]) - 3) <= 1, inflight
+
+
+def test_least_kv_ignores_stale_and_missing_metrics_while_any_is_fresh() -> None:
+    policy = LeastKVPolicy()
+    workers = (
+        fresh(1, 0.0, age=16.0),  # stale: default max age is 15 s
+        fresh(2, 0.0, age=None),  # never scraped
+        fresh(3, None),  # no KV figure
+        fresh(4, float("nan")),
+        fresh(5, 0.9, age=15.0),  # exactly at the limit still counts
+    )
+    assert counts(policy, workers, 10) == {5: 10}
+    assert (
+        LeastKVPolicy({"max_metrics_age": 30}).select(workers, REQUEST, NO_INFLIGHT) is workers[0]
+    )
+
+
+@pytest.mark.parametrize("age", [None, 60.0])
+def test_least_kv_falls_back_to_least_loaded_and_counts_it(age: float | None) -> None:
+    policy = LeastKVPolicy()
+    workers = (
+        fresh(1, 0.1, age=age, queue_length=4),
+        fresh(2, None, age=age, queue_length=1),
+        fresh(3, 0.0, age=age, queue_length=1),
+        fresh(4, 0.0, age=age, queue_length=2),
+    )
+    inflight = {1: 0, 2: 1, 3: 1, 4: 0}  # loads 4, 2, 2, 2: a three-way tie
+    # Never random: the same worker (the first of the tie, in queue order) every time.
+    assert counts(policy, workers, 200, inflight) == {2: 200}
+    assert policy.decisions == {"fallback": 200}
+    assert counts(policy, workers, 1, {2: 2, 3: 2}) == {4: 1}  # loads 4, 3, 3, 2
+
+
+def test_least_kv_matches_brute_force() -> None:
+    rng = random.Random(11)
+    for _ in range(300):
+        penalty = rng.choice([0.0, 0.01, 0.05])
+        policy = LeastKVPolicy({"inflight_weight": penalty})
+        workers = tuple(
+            fresh(i, rng.choice([0.0, 0.1, 0.11, 0.2, 0.5, None]), age=rng.choice([1.0, 99.0]))
+            for i in range(rng.randint(1, 40))
+        )
+        inflight = {w.id: rng.randint(0, 6) for w in workers if rng.random() < 0.7}
+        chosen = policy.select(workers, REQUEST, inflight)
+        candidates = sorted(
+            (w for w in workers if w.kv_cache_usage is not None and w.metrics_age == 1.0),
+            key=lambda w: w.kv_cache_usage or 0.0,
+        )
+        if not candidates:
+            assert chosen is min(by_queue_length(workers), key=lambda w: load_of(w, inflight))
+            continue
+
+        def score(
+            w: WorkerView, inflight: Mapping[int, int] = inflight, penalty: float = penalty
+        ) -> tuple[float, int]:
+            count = inflight.get(w.id, 0)
+            return ((w.kv_cache_usage or 0.0) + count * penalty, count)
+
+        assert chosen is min(candidates, key=score)
+
+
+# --- session affinity ---------------------------------------------------------------------
+
+
+def placement(
+    policy: SessionAffinityPolicy, workers: Sequence[WorkerView], keys: Sequence[str]
+) -> dict[str, int]:
+    result = {}
+    for key in keys:
+        chosen = policy.select(workers, session(key), NO_INFLIGHT)
+        assert chosen is not None
+        result[key] = chosen.id
+    return result
+
+
+KEYS = [f"session-{i}" for i in range(1000)]
+
+
+def test_session_affinity_same_key_same_worker() -> None:
+    workers = fleet(8)
+    first = placement(SessionAffinityPolicy(), workers, KEYS)
+    policy = SessionAffinityPolicy()
+    for _ in range(3):
+        assert placement(policy, workers, KEYS) == first
+    assert placement(SessionAffinityPolicy({"cache_size": 0}), workers[::-1], KEYS) == first
+    assert policy.decisions == {"affinity": 3000}
+    # Sessions spread over the fleet: 125 each on average.
+    assert all(80 < n < 170 for n in Counter(first.values()).values()), Counter(first.values())
+
+
+def test_session_affinity_uses_the_documented_hash() -> None:
+    """blake2b(f"{key}:{worker.id}", digest_size=8), highest wins: a change of formula would
+    move every session at upgrade, so it is pinned here."""
+    ids = [3, 17, 42, 99, 1000]
+    workers = tuple(worker(i) for i in ids)
+    policy = SessionAffinityPolicy()
+    for key in KEYS[:200]:
+
+        def score(worker_id: int, key: str = key) -> bytes:
+            return blake2b(f"{key}:{worker_id}".encode(), digest_size=8).digest()
+
+        expected = sorted(ids, key=score, reverse=True)
+        assert [w.id for w in policy.ranking(workers, key)] == expected
+        chosen = policy.select(workers, session(key), NO_INFLIGHT)
+        assert chosen is not None and chosen.id == expected[0]
+
+
+def test_session_affinity_removing_a_worker_moves_only_its_sessions() -> None:
+    workers = fleet(10)
+    policy = SessionAffinityPolicy()
+    before = placement(policy, workers, KEYS)
+    gone = 4
+    after = placement(policy, tuple(w for w in workers if w.id != gone), KEYS)
+    moved = {key for key in KEYS if before[key] != after[key]}
+    assert moved == {key for key in KEYS if before[key] == gone}
+    assert len({after[key] for key in moved}) >= 5  # they spread, not all to one neighbour
+    assert placement(policy, workers, KEYS) == before  # and come back when it returns
+
+
+def test_session_affinity_adding_a_worker_moves_about_one_in_n_plus_one() -> None:
+    workers = fleet(10)
+    policy = SessionAffinityPolicy()
+    before = placement(policy, workers, KEYS)
+    after = placement(policy, (*workers, worker(11)), KEYS)
+    moved = [key for key in KEYS if before[key] != after[key]]
+    assert all(after[key] == 11 for key in moved)  # only to the newcomer
+    assert 0.5 / 11 < len(moved) / len(KEYS) < 1.5 / 11, len(moved)
+
+
+def test_session_affinity_header_wins_over_user() -> None:
+    policy = SessionAffinityPolicy()
+    workers = fleet(20)
+    by_header = policy.select(workers, session("alpha"), NO_INFLIGHT)
+    by_user = policy.select(workers, session(user="alpha"), NO_INFLIGHT)
+    both = policy.select(workers, session("alpha", user="omega"), NO_INFLIGHT)
+    omega = policy.select(workers, session(user="omega"), NO_INFLIGHT)
+    assert by_header is by_user is both
+    assert omega is not both  # (these two keys land on different workers of 20)
+    assert policy.decisions == {"affinity": 4}
+
+
+def test_session_affinity_header_is_configurable_and_case_insensitive() -> None:
+    workers = fleet(20)
+    reference = SessionAffinityPolicy().select(workers, session("k1"), NO_INFLIGHT)
+    for name in ("x-session-id", "X-SESSION-ID"):
+        policy = SessionAffinityPolicy({"header": name})
+        assert policy.select(workers, session("k1"), NO_INFLIGHT) is reference
+    custom = SessionAffinityPolicy({"header": "X-Conversation"})
+    assert custom.select(workers, session("k1", header=b"x-conversation"), NO_INFLIGHT) is reference
+    custom.select(workers, session("k1"), NO_INFLIGHT)  # X-Session-ID is not its header
+    assert custom.decisions == {"affinity": 1, "no_key": 1}
+
+
+def test_session_affinity_without_key_takes_least_loaded() -> None:
+    policy = SessionAffinityPolicy()
+    workers = (worker(1, queue_length=3), worker(2, queue_length=1), worker(3, queue_length=1))
+    for request in (session(), session(""), session(user=""), session(user=None)):
+        assert policy.select(workers, request, {2: 1}) is workers[2]
+    assert policy.decisions == {"no_key": 4}
+
+
+def test_session_affinity_overload_moves_to_next_in_order() -> None:
+    policy = SessionAffinityPolicy({"max_load": 5})
+    workers = fleet(6)
+    order = policy.ranking(workers, "user-42")
+    first, second, third = order[0].id, order[1].id, order[2].id
+    assert pick(policy, workers, session("user-42"), {first: 5}).id == first  # at max: stays
+    assert pick(policy, workers, session("user-42"), {first: 6}).id == second
+    assert pick(policy, workers, session("user-42"), {first: 6, second: 9}).id == third
+    assert policy.decisions == {"affinity": 1, "overflow": 2}
+    # The reported queue length counts too.
+    queued = tuple(replace(w, queue_length=6) if w.id == first else w for w in workers)
+    assert pick(policy, queued, session("user-42"), {}).id == second
+
+
+def test_session_affinity_overload_past_the_cached_leaders() -> None:
+    policy = SessionAffinityPolicy({"max_load": 0})
+    workers = fleet(8)
+    order = [w.id for w in policy.ranking(workers, "k")]
+    busy = {worker_id: 1 for worker_id in order[:5]}  # more than the 4 cached leaders
+    assert pick(policy, workers, session("k"), busy).id == order[5]
+    assert policy.decisions == {"overflow": 1}
+
+
+def test_session_affinity_all_overloaded_takes_least_loaded() -> None:
+    policy = SessionAffinityPolicy({"max_load": 2})
+    workers = fleet(4)
+    order = [w.id for w in policy.ranking(workers, "k")]
+    inflight = {order[0]: 9, order[1]: 4, order[2]: 3, order[3]: 3}
+    assert pick(policy, workers, session("k"), inflight).id == order[2]  # tie: higher-ranked
+    inflight[order[0]] = 3
+    assert pick(policy, workers, session("k"), inflight).id == order[0]
+    assert policy.decisions == {"affinity": 1, "overflow": 1}
+
+
+def test_session_affinity_cache_follows_the_fleet() -> None:
+    """The cached answer must always equal a fresh computation, whatever the fleet does."""
+    rng = random.Random(5)
+    cached = SessionAffinityPolicy({"cache_size": 50, "max_load": 3})
+    uncached = SessionAffinityPolicy({"cache_size": 0, "max_load": 3})
+    ids = list(range(1, 13))
+    keys = KEYS[:120]
+    for _ in range(40):
+        present = sorted(rng.sample(ids, rng.randint(1, len(ids))))
+        workers = tuple(worker(i, queue_length=rng.randint(0, 3)) for i in present)
+        for key in rng.sample(keys, 60):
+            inflight = {i: rng.randint(0, 2) for i in present}  # some overloaded
+            a = cached.select(workers, session(key), inflight)
+            b = uncached.select(workers, session(key), inflight)
+            assert a is b
+            assert a in workers  # the current snapshot's view, not a cached old one
+    assert len(cached._cache) <= 50
+    assert cached.decisions == uncached.decisions
+    assert cached.decisions["overflow"] > 100
+
+
+def test_session_affinity_keeps_cache_across_snapshots_with_same_ids() -> None:
+    policy = SessionAffinityPolicy({"max_load": 3})
+    workers = fleet(5)
+    top = policy.select(workers, session("k"), NO_INFLIGHT)
+    assert top is not None
+    refreshed = tuple(replace(w, queue_length=4) if w.id == top.id else w for w in workers)
+    moved = policy.select(refreshed, session("k"), NO_INFLIGHT)
+    assert moved is not None and moved.id != top.id  # new load figures are used
+    assert "k" in policy._cache
+    very_long = "x" * 1000
+    assert (
+        policy.select(workers, session(very_long), NO_INFLIGHT)
+        is policy.ranking(workers, very_long)[0]
+    )
+    assert very_long not in policy._cache
+
+
+STABILITY_SCRIPT = """
+import json, sys
+from dataclasses import replace
+from routing.policies.session_affinity import SessionAffinityPolicy
+from routing.policies.base import RequestInfo
+from routing.snapshot import ModelEntry, WorkerView
+base = WorkerView(id=0, name="w", url="u", state="healthy", source="static",
+                  models=(ModelEntry("m"),), queue_length=0, last_heartbeat=None, routable=True)
+workers = tuple(replace(base, id=i) for i in json.loads(sys.argv[1]))
+policy = SessionAffinityPolicy()
+out = {}
+for key in json.loads(sys.argv[2]):
+    request = RequestInfo(model="m", body={"user": key}, raw_headers=())
+    out[key] = policy.select(workers, request, {}).id
+print(json.dumps(out))
+"""
+
+
+def test_session_affinity_is_stable_across_processes() -> None:
+    ids = [2, 5, 8, 13, 21, 34, 55, 89]
+    keys = KEYS[:300]
+    workers = tuple(worker(i) for i in ids)
+    policy = SessionAffinityPolicy()
+    here = {key: pick(policy, workers, session(user=key), NO_INFLIGHT).id for key in keys}
+    for seed in ("0", "12345"):  # Python's own hash() would differ between these
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)}
+        result = subprocess.run(
+            [sys.executable, "-c", STABILITY_SCRIPT, json.dumps(ids), json.dumps(keys)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            timeout=60,
+            check=True,
+        )
+        assert json.loads(result.stdout) == here

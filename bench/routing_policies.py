@@ -7,8 +7,9 @@ of its working set, the fleet 160 %), and timing that makes the cache matter: ``
 --prefill-ms-per-block 1 --itl-ms 2 --max-batch 8 --block-size 16``, so an uncached 1,024-word
 prompt costs about 70 ms of prefill and a cached one about 7 ms. One router (uvicorn serving
 ``controlpanel.asgi``) runs on a throw-away SQLite database with the four workers added through
-``POST /api/workers``. The load generator is this script (aiohttp, streamed chat completions,
-``max_tokens`` 16, 32 requests in flight at most).
+``POST /api/workers``, and a Celery worker with beat (health probes and metrics scrapes every
+second, drain housekeeping), as ``manage.py serve`` runs it. The load generator is this
+script (aiohttp, streamed chat completions, ``max_tokens`` 16, 32 requests in flight at most).
 
 Workloads (seeded, identical for every policy and baseline):
 
@@ -54,6 +55,7 @@ import atexit
 import contextlib
 import json
 import math
+import os
 import random
 import signal
 import statistics
@@ -65,6 +67,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -134,6 +137,7 @@ TTFT_VS_ORACLE = 1.25
 SKEW_P99_VS_SQ = 1.10
 UNIFORM_TOLERANCE = 0.10
 STICKY_TARGET = 0.95
+OTHER_LOAD_WARN_PCT = oh.OTHER_LOAD_WARN_PCT
 
 # Reference figures from the issue: (hit rate, mean TTFT), measured by the issue's author.
 PEER_FIGURES = (
@@ -398,6 +402,60 @@ async def start_fleet(proc: oh.Fleet, cache_blocks: int) -> Fleet:
             listed = orjson.loads(await resp.read())["workers"]
     by_url = {w["url"].rstrip("/"): w["id"] for w in listed}
     return Fleet(proc, router, router_pid, workers, [by_url[u] for u in workers], cache_blocks)
+
+
+# --------------------------------------------------------------------------- CPU readings
+
+
+def descendants(roots: list[int]) -> list[int]:
+    """The given pids and every process below them (Celery's beat runs as a child)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            raw = stat.read_text()
+        except OSError:
+            continue
+        ppid = int(raw[raw.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):  # it exited meanwhile
+            total += sum(oh.cpu_times(pid))
+    return total
+
+
+@dataclass(frozen=True)
+class CpuMark:
+    """CPU counters around a run: the router's, all of this benchmark's, the machine's."""
+
+    router: float
+    ours: float
+    busy: int
+    total: int
+
+    @classmethod
+    def take(cls, fleet: Fleet) -> CpuMark:
+        pids = descendants([proc.pid for _, proc in fleet.proc.procs])
+        busy, total = oh.machine_ticks()
+        ours = cpu_seconds(pids) + time.process_time()
+        return cls(cpu_seconds([fleet.router_pid]), ours, busy, total)
+
+
+def cpu_figures(before: CpuMark, after: CpuMark) -> tuple[float, float, float]:
+    """(router CPU seconds, machine busy %, busy % of processes not in this benchmark)."""
+    ticks = max(after.total - before.total, 1)
+    busy_s = (after.busy - before.busy) / oh.CLK_TCK
+    other = 100 * (busy_s - (after.ours - before.ours)) * oh.CLK_TCK / ticks
+    return after.router - before.router, 100 * (after.busy - before.busy) / ticks, max(0.0, other)
 
 
 # --------------------------------------------------------------------------- worker counters
@@ -691,6 +749,9 @@ class Measured:
     queries: float
     per_worker: list[int]
     decisions: dict[str, float]
+    router_cpu_s: float
+    machine_busy_pct: float
+    other_busy_pct: float
 
 
 @dataclass
@@ -717,6 +778,9 @@ class RunResult:
     max_worker_share: float
     decisions: dict[str, float]
     policy_seen: list[str]
+    router_cpu_ms_per_req: float
+    machine_busy_pct: float  # mean over rounds
+    other_busy_pct_max: float  # worst round
 
 
 def summarize(workload: str, mode: str, runs: list[Measured]) -> RunResult:
@@ -756,6 +820,11 @@ def summarize(workload: str, mode: str, runs: list[Measured]) -> RunResult:
         max_worker_share=max(per_worker) / max(sum(per_worker), 1),
         decisions=dict(decisions),
         policy_seen=sorted({k.split(":", 1)[0] for k in decisions}),
+        router_cpu_ms_per_req=1000
+        * sum(m.router_cpu_s for m in runs)
+        / max(sum(m.samples.sent for m in runs), 1),
+        machine_busy_pct=statistics.fmean(m.machine_busy_pct for m in runs),
+        other_busy_pct_max=max(m.other_busy_pct for m in runs),
     )
 
 
@@ -777,7 +846,9 @@ async def run_one(
     before = await read_fleet(http, fleet)
     decisions_before = await router_decisions(http, fleet) if router else {}
     fleet.proc.check_alive()
+    cpu_before = CpuMark.take(fleet)
     samples, wall = await run_sessions(workload, pick, CONCURRENCY, tag)
+    router_cpu, machine_busy, other_busy = cpu_figures(cpu_before, CpuMark.take(fleet))
     after = await read_fleet(http, fleet)
     decisions_after = await router_decisions(http, fleet) if router else {}
     pairs = list(zip(after, before, strict=True))
@@ -793,6 +864,9 @@ async def run_one(
         queries=sum(a.queries - b.queries for a, b in pairs),
         per_worker=[a.received - b.received for a, b in pairs],
         decisions=decisions,
+        router_cpu_s=router_cpu,
+        machine_busy_pct=machine_busy,
+        other_busy_pct=other_busy,
     )
 
 
@@ -1096,8 +1170,8 @@ def find(runs: list[dict[str, Any]], workload: str, mode: str) -> dict[str, Any]
 def workload_table(runs: list[dict[str, Any]], workload: str) -> list[str]:
     lines = [
         "| mode | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | req/s | prefix hit rate "
-        "| requests per worker | errors | policy decisions |",
-        "|---|--:|--:|--:|--:|--:|---|--:|---|",
+        "| requests per worker | errors | router CPU ms/req | policy decisions |",
+        "|---|--:|--:|--:|--:|--:|---|--:|--:|---|",
     ]
     for r in runs:
         if r["workload"] != workload:
@@ -1107,7 +1181,9 @@ def workload_table(runs: list[dict[str, Any]], workload: str) -> list[str]:
         lines.append(
             f"| {label} | {fmt(r['ttft_mean_ms'])} | {fmt(r['ttft_p50_ms'])} "
             f"| {fmt(r['ttft_p99_ms'])} | {fmt(r['rps'])} | {fmt(r['hit_rate'], 3)} "
-            f"| {' / '.join(str(n) for n in r['per_worker'])} | {r['errors']} | {decisions} |"
+            f"| {' / '.join(str(n) for n in r['per_worker'])} | {r['errors']} "
+            f"| {fmt(r['router_cpu_ms_per_req'], 2) if r['kind'] == 'router' else '-'} "
+            f"| {decisions} |"
         )
     return lines
 
@@ -1182,6 +1258,22 @@ def target_rows(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None
     return rows
 
 
+def router_hop_line(runs: list[dict[str, Any]]) -> str | None:
+    """What the extra hop costs on this machine, to read the router-vs-oracle target by."""
+    via, direct = find(runs, "uniform", "round_robin"), find(runs, "uniform", "client_rr")
+    if via is None or direct is None:
+        return None
+    return (
+        "Router hop on this machine (uniform, round_robin through the router vs client_rr "
+        f"straight to the workers, same assignment): TTFT mean {fmt(via['ttft_mean_ms'])} vs "
+        f"{fmt(direct['ttft_mean_ms'])} ms ({via['ttft_mean_ms'] - direct['ttft_mean_ms']:+.1f}"
+        f" ms), throughput {fmt(via['rps'])} vs {fmt(direct['rps'])} req/s "
+        f"({via['rps'] / direct['rps']:.2f}x). The router shares the "
+        f"{len(os.sched_getaffinity(0))} CPUs with the workers and the load generator, so this "
+        "includes CPU contention."
+    )
+
+
 def affinity_lines(aff: dict[str, Any]) -> list[str]:
     d = aff["drain"]
     return [
@@ -1235,6 +1327,9 @@ def report(result: dict[str, Any]) -> str:
     lines += ["", "### Targets", "", "| target | measured | limit | result |", "|---|---|--:|:-:|"]
     for label, value, limit, ok in target_rows(result):
         lines.append(f"| {label} | {value} | {limit} | {mark(ok)} |")
+    hop = router_hop_line(result["runs"])
+    if hop:
+        lines += ["", hop]
     if result["affinity"] is not None:
         lines += ["", *affinity_lines(result["affinity"])]
     lines += [
@@ -1256,6 +1351,16 @@ def report(result: dict[str, Any]) -> str:
             )
         if r["errors"]:
             notes.append(f"{r['workload']}/{r['mode']}: {r['errors']} errors {r['error_kinds']}")
+    details = result["rounds_detail"]
+    noisy = [d for d in details if d["other_busy_pct_max"] > OTHER_LOAD_WARN_PCT]
+    if noisy:
+        worst = max(d["other_busy_pct_max"] for d in noisy)
+        notes.append(
+            f"WARNING: processes outside this benchmark kept the CPUs more than "
+            f"{OTHER_LOAD_WARN_PCT:.0f} % busy during {len(noisy)} of {len(details)} runs (up "
+            f"to {worst:.0f} %); those figures are unreliable, rerun on a quiet machine "
+            "(per-run figures in the JSON: other_busy_pct_max)"
+        )
     if notes:
         lines += ["", "Notes:", "", *(f"* {n}" for n in notes)]
     return "\n".join(lines)
@@ -1273,7 +1378,9 @@ def write_json(result: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser = argparse.ArgumentParser(
+        description="Compare the routing policies (and client-side baselines) on seeded workloads."
+    )
     parser.add_argument("--quick", action="store_true", help="smaller workloads: a smoke run")
     parser.add_argument("--only-workload", choices=WORKLOADS, help="run just this workload")
     parser.add_argument(

@@ -43,9 +43,11 @@ def make_policy(name: str, config: Mapping[str, Any] | None = None) -> BasePolic
     to the default loudly, so routing never stops over a configuration mistake."""
     try:
         return policy_class(name)(config)
-    except UnknownPolicy:
-        log.error("policy %r is unknown; using %s", name, DEFAULT_POLICY)
-        return policy_class(DEFAULT_POLICY)(config)
+    except (UnknownPolicy, ValueError, TypeError) as exc:
+        # The control plane refuses bad configurations when they are saved; this covers a
+        # database written by another release. The default policy takes no configuration.
+        log.error("policy %r cannot be built (%s); using %s", name, exc, DEFAULT_POLICY)
+        return policy_class(DEFAULT_POLICY)(None)
 
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "Policy", "RequestInfo", "make_policy", "policy_class"]

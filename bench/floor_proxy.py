@@ -44,6 +44,9 @@ from typing import Any
 import aiohttp
 import orjson
 
+# The router's own list, so the floor relays exactly the headers the router relays.
+from routing.proxy import RESPONSE_DROP
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -52,22 +55,6 @@ Send = Callable[[Message], Awaitable[None]]
 ANY_MODEL = ""
 MAX_CONNECTIONS = 2048
 REQUEST_HEADERS = {"Content-Type": "application/json"}
-# Hop-by-hop headers describe one connection; uvicorn writes its own Date and Server.
-RESPONSE_DROP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"date",
-        b"server",
-    }
-)
 
 
 def parse_upstreams(spec: str) -> dict[str, list[str]]:

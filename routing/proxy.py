@@ -104,7 +104,7 @@ HOP_BY_HOP = frozenset(
 # aiohttp sets these itself from the URL and the body it sends.
 _REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 # uvicorn writes its own Date and Server; relaying the worker's too would send both twice.
-_RESPONSE_DROP = HOP_BY_HOP | {b"date", b"server"}
+RESPONSE_DROP = HOP_BY_HOP | {b"date", b"server"}
 
 _JSON = b"application/json"
 _METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
@@ -570,7 +570,7 @@ def _request_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]
 
 
 def _response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in raw if k.lower() not in _RESPONSE_DROP]
+    return [(k, v) for k, v in raw if k.lower() not in RESPONSE_DROP]
 
 
 def _rounded(value: float | None) -> float | None:

@@ -23,33 +23,50 @@ The rule (SGLang's `cache_aware`, per request, among the routable workers given)
 
 Ties left after those keys are broken at random. A request with no prompt text goes to the
 least loaded worker (``"load"``). Whatever the reason, the chosen worker is then credited
-with the prompt (in `select`, so the next request already sees it), as SGLang does; that
-is what a worker's cache will hold once it has prefilled the prompt. The differences from
-SGLang: the match must reach ``>= cache_threshold`` (SGLang: strictly greater), only the
-workers given are considered (a worker that left the list is never chosen; its entries
-simply age out), and matching is by chunks rather than per character.
+with the prompt (in `select`, so the very next request already sees it), as SGLang does:
+that is what the worker's cache will hold once it has prefilled the prompt. Differences
+from SGLang: the match must reach ``>= cache_threshold`` (SGLang: strictly greater), only
+the workers given are considered (a worker that left the list is never chosen, and its
+entries age out), and prompts are matched by chunks rather than character by character.
 
 How prompts are remembered
 --------------------------
 The prompt text (routing.request_text; computed here from the body if the proxy did not
 pass it) is cut into chunks at fixed offsets: ``chunk_chars`` characters each for the first
 ``chunk_doubling`` chunks, then twice as long for the next ``chunk_doubling``, and so on.
-Chunk *i* gets a chained hash identifying the whole prefix up to its end: the running sum
-of ``hash((i, chunk_i))`` (siphash of the text, so equal sums for different prefixes are
-2**-64 unlikely), like vLLM's block hashes chain each block to its parent. A worker's
-"tree" is an OrderedDict from chained hash to the time it was last sent there, in
-least-recently-used order. Inserting a prompt touches its chunks deepest first, so a
-prefix is always at least as recent as anything that extends it; eviction takes the oldest
-first, so a worker never keeps a chunk without the chunks before it. The prefixes a worker
-holds are therefore closed under "shorter", and the longest match is found by *binary
-search* over the prompt's chunks: O(log chunks) probes, each one dictionary lookup per
-worker still in the running (every candidate for the first probe, then only the ones that
-matched). Inserting is O(chunks) but done by C-level bulk calls (update, move_to_end).
+Chunk *i* gets a chained hash naming the whole prefix up to its end: the running sum of
+``hash((i, chunk_i))`` (siphash of the text; two different prefixes share a sum with odds
+of about 2**-64), the way vLLM chains each block's hash to its parent's. A short last chunk
+is hashed too, so a repeated short prompt matches whole.
 
-Each memory entry is one (worker, chunk) pair: about 150 bytes (the OrderedDict slot and
-its linked-list node, the chain-hash int; the timestamp float is shared by all the chunks
-of one insert), so the default ``max_entries`` of 100,000 bounds the policy at about 15 MB
-per model, plus the dicts' spare capacity (up to twice that just after they grow).
+A worker's "tree" is an OrderedDict of chained hashes in least-recently-used order.
+Crediting a prompt appends its new chunks deepest first, then moves the chunks the worker
+already held (a prefix of the prompt, see below) to the end, also deepest first: one
+C-level operation per chunk, and a prefix always ends up more recent than anything that
+extends it. Eviction only ever takes the oldest, so a worker never keeps a chunk without
+the chunks before it: what it holds of any prompt is a prefix of that prompt's chain.
+Hence a worker's match is found by a *binary search* over the prompt's chunks (O(log
+chunks) lookups), and the fleet's longest match without looking at every worker: an index
+from first-chunk hash to the workers holding it names the workers in the running; the
+search runs on one of them, then one lookup per other such worker asks whether anyone
+holds the next chunk (if so, the search goes on among those). Per-worker work in a
+decision is otherwise a C-level pass for the loads and, on a miss, one for the tree
+sizes; ids and queue lengths are cached per snapshot tuple.
+
+Age is tracked by time marks in each tree rather than a timestamp per entry: crediting
+a prompt ends by moving the tree's newest mark to the end (stamped now), or by adding a
+new one once the newest is ``max_age_s / 32`` old. Everything before a mark was last used
+no later than the mark's time, so once the oldest mark is older than ``max_age_s``, the
+entries before it are stale. An entry is evicted between ``max_age_s`` and about
+``max_age_s * 33/32`` after its last use, give or take the sweep's pace (below); until
+then it still counts for matching (vLLM itself never drops a cached block for age, only
+for room).
+
+Memory: an entry is one (worker, chunk) pair, about 180-200 bytes measured with
+tracemalloc (the OrderedDict slot and linked-list node, the chain-hash int, its share of
+the first-chunk index), so the default ``max_entries`` of 100,000 bounds the policy near
+20 MB per served model (a hash table that has just doubled adds up to half as much again
+for a while). Marks are at most 33 per tree.
 
 Knobs (the served model's policy_config; an unknown key or a bad value is a ValueError)
 ---------------------------------------------------------------------------------------
@@ -66,27 +83,36 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     Characters per chunk, the matching granularity. A vLLM prefix-cache block is 16 tokens,
     about 64-80 characters of English, so 128 is about two blocks: matching to the
     character (SGLang's radix tree) buys nothing the 50% threshold would notice, while
-    every chunk costs one string slice, one hash and one dictionary slot in Python.
-``chunk_doubling`` (int >= 0, default 32)
-    After this many chunks the chunk length doubles (and again after as many more): with
-    the defaults the first 4,096 characters (about 1k tokens) are matched per 128, the next
-    8,192 per 256, then per 512... A 4k-word prompt (about 25k characters) is ~90 chunks
-    instead of ~200, which halves the per-request cost, while a match length is still
-    known to within 1/32 (3%) of itself. 0 keeps every chunk ``chunk_chars`` long.
+    every chunk costs a string slice, a hash and a dictionary operation in Python.
+``chunk_doubling`` (int >= 0, default 8)
+    After this many chunks the chunk length doubles, and again after as many more: with the
+    defaults the first 1,024 characters (about 250 tokens) are matched per 128, the next
+    2,048 per 256, the next 4,096 per 512, then 8,192 per 1,024, then per 2,048... A
+    4k-word prompt (about 26k characters) is 38 chunks instead of 207, which divides the
+    per-request cost by about three (every chunk is a string slice, a hash and a dictionary
+    operation in Python), while a match length stays known to within 1/8 of itself: ample
+    for a 50% threshold, and where a long chat's turns differ (its tail) the next turn still
+    matches all but its last few hundred tokens. 16 halves that error for about 20% more
+    time; 0 keeps every chunk ``chunk_chars`` long (the cost then grows linearly).
 ``max_entries`` (int >= 1, default 100000)
-    Total (worker, chunk) entries over all workers. Past it, the least recently used
-    entries of the largest tree are evicted (the worker whose own cache has most likely
-    dropped them already), at once, as part of the insert that overflowed: never more
-    than that insert added.
+    Total (worker, chunk) entries over all workers. When crediting a prompt goes past it,
+    the tree it went to gives back its least recently used entries beyond its fair share
+    (max_entries / number of trees), then, if that is not enough, the largest tree gives
+    back its least recently used ones (the worker whose own cache has most likely dropped
+    them already). Never more than the prompt added, so no request pays for a big sweep.
+    Eviction is least-recently-used per tree, not across trees: one global order would
+    cost another ordered structure per entry, and fair shares keep the trees level, which
+    is what smallest-tree routing assumes anyway.
 ``max_age_s`` (number > 0, default 600)
-    An entry not touched for this long is ignored by matching and evicted: every decision
-    sweeps the stale head of one worker's tree (round robin over the trees, at most
-    32 + the request's chunk count entries), so memory is given back incrementally and
-    the trees of workers that left the list drain and are dropped. Set it near the time
-    the workers' caches keep an idle prefix.
+    Entries not used for this long are evicted: every decision sweeps the stale head of
+    one tree (round robin over the trees, at most 32 + the request's chunk count entries),
+    so memory comes back incrementally and the trees of workers that left the list drain
+    and are dropped. Set it near how long the workers' caches keep an idle prefix.
 
-Not thread-safe: one router process decides on one event loop. No I/O. `insert()` pre-fills
-a tree (benchmarks, tests); `match()` and `tree_size()` inspect it.
+Not thread-safe: one router process decides on one event loop. No I/O. `insert()` credits
+a prompt to a worker (benchmarks, tests); `match()`, `tree_size()` and `entries` inspect.
+`on_request_complete` keeps the credit even for a failed request (SGLang does too): the
+worker may well have prefilled it, and a failing worker leaves the routable list anyway.
 """
 
 from __future__ import annotations
@@ -96,30 +122,40 @@ import random
 import time
 from bisect import bisect_left
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
-from functools import partial
-from itertools import accumulate, compress, count, islice, repeat, takewhile
-from operator import ge, gt
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from itertools import accumulate, compress, count, islice, repeat
+from operator import add, attrgetter, eq, is_not
 from typing import Any
 
 from routing.policies.base import BasePolicy, RequestInfo
 from routing.request_text import request_text
 from routing.snapshot import WorkerView
 
-_Tree = OrderedDict[int, float]  # chained chunk hash -> last access (clock seconds)
+# Chained chunk hash (int) -> None, or a time mark (_Mark) -> when it was last moved.
+_Tree = OrderedDict[Hashable, float | None]
 
 _DEFAULTS: dict[str, float] = {
     "cache_threshold": 0.5,
     "balance_abs_threshold": 32,
     "balance_rel_threshold": 1.1,
     "chunk_chars": 128,
-    "chunk_doubling": 32,
+    "chunk_doubling": 8,
     "max_entries": 100_000,
     "max_age_s": 600.0,
 }
+_MARKS_PER_AGE = 32  # a new time mark once the newest is max_age_s / 32 old
 _SWEEP_BASE = 32  # entries a decision may sweep beyond its own chunk count
-_NEVER = -math.inf
-_EMPTY: _Tree = OrderedDict()  # stands in for a worker with no tree; never written
+_ID = attrgetter("id")
+_QUEUE = attrgetter("queue_length")
+
+
+class _Mark:
+    """A time mark in a tree; only its identity matters (the tree holds its time)."""
+
+    __slots__ = ("created",)
+
+    def __init__(self, created: float) -> None:
+        self.created = created
 
 
 def _setting(
@@ -167,15 +203,27 @@ class PrefixAwarePolicy(BasePolicy):
         self.chunk_doubling = int(_setting(cfg, "chunk_doubling", integer=True, low=0))
         self.max_entries = int(_setting(cfg, "max_entries", integer=True, low=1))
         self.max_age_s = float(_setting(cfg, "max_age_s", low=0.0, low_open=True))
+        self._mark_every = self.max_age_s / _MARKS_PER_AGE
         self._clock = clock or time.monotonic
         self._rng = rng or random.Random()
-        self._trees: dict[int, _Tree] = {}  # worker id -> its tree
-        self._entries = 0  # sum of the trees' sizes
+        # Per worker id: its tree, its time marks (oldest first) and its entry count.
+        self._trees: dict[int, _Tree] = {}
+        self._marks: dict[int, deque[_Mark]] = {}
+        self._sizes: dict[int, int] = {}
+        self._entries = 0  # sum of _sizes
+        # First-chunk hash -> {worker id: its tree} for the trees that hold it.
+        self._heads: dict[int, dict[int, _Tree]] = {}
         self._sweep_queue: list[int] = []  # worker ids still to sweep in this round
         # Chunk i spans _starts[i] up to _ends[i], sliced by _slices[i]; grown on demand.
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._slices: list[slice] = []
+        # The last worker tuple seen (the router passes its snapshot's until the next swap),
+        # with its ids, queue lengths and id -> position: per-snapshot work done once.
+        self._fleet: Sequence[WorkerView] | None = None
+        self._fleet_ids: list[int] = []
+        self._fleet_queues: list[int] = []
+        self._fleet_pos: dict[int, int] = {}
 
     # -- the decision ---------------------------------------------------------------------
 
@@ -186,45 +234,65 @@ class PrefixAwarePolicy(BasePolicy):
             return None
         now = float(self._clock())
         text = request.text if request.text is not None else request_text(request.body)
-        loads = [inflight.get(w.id, 0) + (w.queue_length or 0) for w in workers]
+        ids, queues, pos = self._fleet_of(workers)
+        loads = list(map(add, map(inflight.get, ids, repeat(0)), queues))
         low, high = min(loads), max(loads)
         hashes = self._chain(text)
+        held: int | None = None  # chunks of this prompt the chosen worker holds, if known
         if not hashes or (
             high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low
         ):
-            reason, chosen = "load", self._least_loaded(workers, loads)
+            reason, chosen = "load", self._least(workers, loads)
         else:
-            ids = [w.id for w in workers]
-            depth, holders = self._match(hashes, ids, now - self.max_age_s)
+            depth, holders, trees = self._match(hashes, pos)
             matched = min(self._ends[depth - 1], len(text)) if depth else 0
             if depth and matched >= self.cache_threshold * len(text):
-                reason = "prefix"
-                held = set(holders)
-                pairs = [(w, x) for w, x in zip(workers, loads, strict=True) if w.id in held]
-                chosen = self._least_loaded([w for w, _ in pairs], [x for _, x in pairs])
+                reason, held = "prefix", depth
+                if len(holders) > 1:
+                    holders = self._holding(hashes[depth - 1], holders, trees)[0]
+                at = [pos[h] for h in holders]
+                if len(at) == 1:
+                    chosen = workers[at[0]]
+                else:
+                    chosen = self._least([workers[i] for i in at], [loads[i] for i in at])
             else:
-                reason, chosen = "smallest_tree", self._smallest_tree(workers, loads)
+                reason = "smallest_tree"
+                sizes = list(map(self._sizes.get, ids, repeat(0)))
+                smallest = min(sizes)
+                if sizes.count(smallest) == 1:
+                    chosen = workers[sizes.index(smallest)]
+                else:
+                    at = list(compress(count(), map(eq, sizes, repeat(smallest))))
+                    chosen = self._least([workers[i] for i in at], [loads[i] for i in at])
         self.decisions[reason] += 1
         if hashes:
-            self._insert(chosen.id, hashes, now)
+            self._insert(chosen.id, hashes, now, held)
         self._sweep(now, _SWEEP_BASE + len(hashes))
         return chosen
 
-    def _least_loaded(self, workers: Sequence[WorkerView], loads: Sequence[int]) -> WorkerView:
-        low = min(loads)
-        best = [w for w, load in zip(workers, loads, strict=True) if load == low]
-        return best[0] if len(best) == 1 else self._rng.choice(best)
+    def _fleet_of(
+        self, workers: Sequence[WorkerView]
+    ) -> tuple[list[int], list[int], dict[int, int]]:
+        """Ids, queue lengths (None as 0) and id -> position of `workers`; cached while the
+        same tuple comes back (a tuple of frozen WorkerViews cannot change)."""
+        if workers is self._fleet:
+            return self._fleet_ids, self._fleet_queues, self._fleet_pos
+        ids = list(map(_ID, workers))
+        queues = [q or 0 for q in map(_QUEUE, workers)]
+        pos = dict(zip(ids, count()))
+        if isinstance(workers, tuple):  # holding it also keeps its id() from being reused
+            self._fleet = workers
+            self._fleet_ids, self._fleet_queues, self._fleet_pos = ids, queues, pos
+        return ids, queues, pos
 
-    def _smallest_tree(self, workers: Sequence[WorkerView], loads: Sequence[int]) -> WorkerView:
-        trees = self._trees
-        keys = [
-            (len(trees.get(w.id, _EMPTY)), load) for w, load in zip(workers, loads, strict=True)
-        ]
+    def _least(self, workers: Sequence[WorkerView], keys: list[int]) -> WorkerView:
+        """The worker with the smallest key; ties at random."""
         low = min(keys)
-        best = [w for w, key in zip(workers, keys, strict=True) if key == low]
-        return best[0] if len(best) == 1 else self._rng.choice(best)
+        if keys.count(low) == 1:
+            return workers[keys.index(low)]
+        return self._rng.choice(list(compress(workers, map(eq, keys, repeat(low)))))
 
-    # -- the trees ------------------------------------------------------------------------
+    # -- matching -------------------------------------------------------------------------
 
     def _chain(self, text: str) -> list[int]:
         """The chained hash of every chunk of `text`, in order (the last one may be short)."""
@@ -248,65 +316,111 @@ class PrefixAwarePolicy(BasePolicy):
             slices.append(slice(pos, pos + size))
             pos += size
 
-    def _match(self, hashes: list[int], ids: list[int], cutoff: float) -> tuple[int, list[int]]:
-        """(chunks matched, ids of the workers that hold that many) over workers `ids`.
-
-        A worker's chunks are prefix-closed (see the module docstring), so whether it holds
-        the first d chunks is monotone in d and a binary search finds the longest match.
-        """
-        trees = list(map(self._trees.get, ids, repeat(_EMPTY)))
-        alive = self._holding(hashes[0], ids, trees, cutoff)
-        if alive is None:
-            return 0, []
-        ids, trees = alive
-        lo, hi = 1, len(hashes)  # the first lo chunks are held by every worker in `ids`
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            key = hashes[mid - 1]
-            if len(trees) == 1:  # the usual case: a prefix lives on one worker
-                if trees[0].get(key, _NEVER) >= cutoff:
-                    lo = mid
-                else:
-                    hi = mid - 1
-                continue
-            alive = self._holding(key, ids, trees, cutoff)
-            if alive is None:
-                hi = mid - 1
-            else:
-                lo = mid
-                ids, trees = alive
-        return lo, ids
+    def _match(
+        self, hashes: list[int], candidates: Mapping[int, int]
+    ) -> tuple[int, list[int], list[_Tree]]:
+        """(d, workers, their trees): the longest match among `candidates` is d chunks, and
+        the workers holding that many are among those returned (_holding narrows)."""
+        heads = self._heads.get(hashes[0])
+        if not heads:
+            return 0, [], []
+        ids = list(filter(candidates.__contains__, heads))
+        if not ids:
+            return 0, [], []
+        trees = (
+            list(heads.values()) if len(ids) == len(heads) else list(map(heads.__getitem__, ids))
+        )
+        # Binary-search one holder's depth d; then, if anyone in the running holds chunk
+        # d + 1, keep only those and search again from there. Usually one round: one tree's
+        # O(log chunks) lookups plus one lookup per other worker sharing the prefix.
+        depth = _held_depth(trees[0], hashes, 1)
+        contains = OrderedDict.__contains__
+        while len(trees) > 1 and depth < len(hashes):
+            key = hashes[depth]
+            if not any(map(contains, trees, repeat(key))):
+                break
+            ids, trees = self._holding(key, ids, trees)
+            depth = _held_depth(trees[0], hashes, depth + 1)
+        return depth, ids, trees
 
     @staticmethod
-    def _holding(
-        key: int, ids: list[int], trees: list[_Tree], cutoff: float
-    ) -> tuple[list[int], list[_Tree]] | None:
-        """The workers among `ids` whose tree holds `key` fresh, or None."""
-        fresh = list(
-            map(ge, map(OrderedDict.get, trees, repeat(key), repeat(_NEVER)), repeat(cutoff))
-        )
-        if not any(fresh):
-            return None
-        return list(compress(ids, fresh)), list(compress(trees, fresh))
+    def _holding(key: int, ids: list[int], trees: list[_Tree]) -> tuple[list[int], list[_Tree]]:
+        """The workers among `ids` whose tree holds `key`, and their trees."""
+        has = list(map(OrderedDict.__contains__, trees, repeat(key)))
+        return list(compress(ids, has)), list(compress(trees, has))
 
-    def _insert(self, worker_id: int, hashes: list[int], now: float) -> None:
+    # -- the trees ------------------------------------------------------------------------
+
+    def _insert(self, worker_id: int, hashes: list[int], now: float, held: int | None) -> None:
+        """Credit `worker_id` with the chain `hashes`, of which it holds the first `held`
+        (None: look it up)."""
         tree = self._trees.get(worker_id)
         if tree is None:
             tree = self._trees[worker_id] = OrderedDict()
-        before = len(tree)
-        # Deepest first, so every prefix ends up more recent than what extends it.
-        tree.update(zip(reversed(hashes), repeat(now)))
-        deque(map(tree.move_to_end, reversed(hashes)), maxlen=0)
-        self._entries += len(tree) - before
-        excess = self._entries - self.max_entries
-        while excess > 0:
-            largest = max(self._trees.values(), key=len)
-            k = min(excess, len(largest))
-            if not k:  # cannot happen while _entries is right; never spin
+            self._marks[worker_id] = deque()
+            self._sizes[worker_id] = 0
+        if held is None:
+            held = _held_depth(tree, hashes, 0)
+        added = len(hashes) - held
+        if added:  # new chunks, deepest first, appended...
+            fresh = hashes[held:]
+            tree.update(zip(reversed(fresh), repeat(None)))
+            if not held:
+                self._heads.setdefault(hashes[0], {})[worker_id] = tree
+            self._sizes[worker_id] += added
+            self._entries += added
+        if held:  # ...then the held prefix moved after them, deepest first
+            deque(map(tree.move_to_end, reversed(hashes[:held])), maxlen=0)
+        marks = self._marks[worker_id]
+        if marks and now - marks[-1].created < self._mark_every:
+            tree.move_to_end(marks[-1])
+            tree[marks[-1]] = now
+        else:
+            mark = _Mark(now)
+            tree[mark] = now
+            marks.append(mark)
+        over = self._entries - self.max_entries
+        if over > 0:
+            self._shrink(worker_id, tree, over)
+
+    def _shrink(self, worker_id: int, tree: _Tree, over: int) -> None:
+        """Evict `over` entries: first this tree's beyond its fair share, then the largest's."""
+        sizes = self._sizes
+        own = min(over, sizes[worker_id] - self.max_entries // len(self._trees))
+        if own > 0:
+            over -= self._pop_oldest(worker_id, tree, own, entries=True)
+        while over > 0:
+            largest = max(sizes, key=sizes.__getitem__)
+            if not sizes[largest]:  # cannot happen while the counts are right; never spin
                 break
-            deque(map(largest.popitem, repeat(False, k)), maxlen=0)
-            self._entries -= k
-            excess -= k
+            over -= self._pop_oldest(largest, self._trees[largest], over, entries=True)
+
+    def _pop_oldest(self, worker_id: int, tree: _Tree, n: int, *, entries: bool) -> int:
+        """Evict from the old end of a tree: n items (marks included), or with `entries`
+        n entries (or all it has). Returns the entries evicted."""
+        marks = self._marks[worker_id]
+        gone = 0
+        while n > 0 and tree:
+            items = list(map(tree.popitem, repeat(False, min(n, len(tree)))))
+            keys = [key for key, value in items if value is None]
+            for _ in range(len(items) - len(keys)):
+                marks.popleft()  # marks leave in order
+            if keys:
+                self._forget(worker_id, keys)
+            gone += len(keys)
+            n -= len(keys) if entries else len(items)
+        self._sizes[worker_id] -= gone
+        self._entries -= gone
+        return gone
+
+    def _forget(self, worker_id: int, keys: list[Any]) -> None:
+        """Update the first-chunk index for chain hashes `keys` leaving a worker's tree."""
+        heads = self._heads
+        for key in filter(heads.__contains__, keys):
+            holders = heads[key]
+            holders.pop(worker_id, None)
+            if not holders:
+                del heads[key]
 
     def _sweep(self, now: float, budget: int) -> None:
         """Evict the stale head of one tree (round robin); drop the tree once empty."""
@@ -318,13 +432,15 @@ class PrefixAwarePolicy(BasePolicy):
         tree = self._trees.get(worker_id)
         if tree is None:
             return
-        stale_before = partial(gt, now - self.max_age_s)  # t -> t < cutoff
-        k = len(list(takewhile(stale_before, islice(tree.values(), budget))))
-        if k:
-            deque(map(tree.popitem, repeat(False, k)), maxlen=0)
-            self._entries -= k
-        if not tree:
-            del self._trees[worker_id]
+        marks = self._marks[worker_id]
+        if marks and (tree[marks[0]] or 0.0) < now - self.max_age_s:
+            # Everything up to the oldest mark is stale: evict it, the mark included if it
+            # falls within the budget.
+            window = list(map(is_not, islice(tree.values(), budget), repeat(None)))
+            n = window.index(True) + 1 if True in window else len(window)
+            self._pop_oldest(worker_id, tree, n, entries=False)
+        if not self._sizes[worker_id]:
+            del self._trees[worker_id], self._marks[worker_id], self._sizes[worker_id]
 
     # -- for benchmarks, tests and the curious --------------------------------------------
 
@@ -332,22 +448,44 @@ class PrefixAwarePolicy(BasePolicy):
         """Credit `worker_id` with `text`, as if it had just been routed there."""
         hashes = self._chain(text)
         if hashes:
-            self._insert(worker_id, hashes, float(self._clock()))
+            self._insert(worker_id, hashes, float(self._clock()), None)
 
     def match(self, text: str, worker_ids: Sequence[int]) -> tuple[int, list[int]]:
-        """(characters matched, the workers among `worker_ids` that hold that prefix)."""
+        """(characters matched, the workers among `worker_ids` that hold that prefix, in the
+        order given). Read-only: it neither credits nor refreshes anything."""
         hashes = self._chain(text)
         if not hashes:
             return 0, []
-        cutoff = float(self._clock()) - self.max_age_s
-        depth, holders = self._match(hashes, list(worker_ids), cutoff)
-        return (min(self._ends[depth - 1], len(text)) if depth else 0), holders
+        pos = dict(zip(worker_ids, count()))
+        depth, holders, trees = self._match(hashes, pos)
+        if not depth:
+            return 0, []
+        holders = self._holding(hashes[depth - 1], holders, trees)[0]
+        holders.sort(key=pos.__getitem__)
+        return min(self._ends[depth - 1], len(text)), holders
 
     def tree_size(self, worker_id: int) -> int:
-        """Entries (chunks) remembered for a worker, stale ones not yet swept included."""
-        return len(self._trees.get(worker_id, _EMPTY))
+        """Entries (chunks) remembered for a worker, stale ones not swept yet included."""
+        return self._sizes.get(worker_id, 0)
 
     @property
     def entries(self) -> int:
         """Entries over all workers; never more than max_entries after a decision."""
         return self._entries
+
+
+def _held_depth(tree: _Tree, hashes: list[int], known: int) -> int:
+    """How many leading chunks of the chain `tree` holds, knowing it holds `known` (a
+    binary search: what a tree holds is prefix-closed)."""
+    if not known:
+        if hashes[0] not in tree:
+            return 0
+        known = 1
+    lo, hi = known, len(hashes)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if hashes[mid - 1] in tree:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

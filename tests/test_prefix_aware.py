@@ -1,0 +1,539 @@
+"""The prefix_aware policy and the prompt-text extractor: pure unit tests (no DB, no I/O)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from routing.policies.base import RequestInfo
+from routing.policies.prefix_aware import PrefixAwarePolicy
+from routing.request_text import request_text
+from routing.snapshot import ModelEntry, WorkerView
+
+BASE = WorkerView(
+    id=0,
+    name="w0",
+    url="http://127.0.0.1:1",
+    state="ready",
+    source="manual",
+    models=(ModelEntry("m"),),
+    queue_length=0,
+    last_heartbeat=None,
+    routable=True,
+)
+
+
+def fleet(n: int) -> list[WorkerView]:
+    return [replace(BASE, id=i, name=f"w{i}", url=f"http://127.0.0.1:{9000 + i}") for i in range(n)]
+
+
+def words(tag: str, n: int) -> str:
+    """n distinct words, all different from another tag's."""
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(config: Mapping[str, Any] | None = None, clock: Clock | None = None) -> PrefixAwarePolicy:
+    return PrefixAwarePolicy(config, clock=clock or Clock(), rng=random.Random(0))
+
+
+def check_invariants(policy: PrefixAwarePolicy) -> None:
+    """Sizes, totals and indexes agree with the trees; marks are few and in order."""
+    chunks = {w: [k for k, v in t.items() if v is None] for w, t in policy._trees.items()}
+    assert policy._sizes == {w: len(keys) for w, keys in chunks.items()}
+    assert policy.entries == sum(policy._sizes.values()) <= policy.max_entries
+    for key, holders in policy._heads.items():
+        assert holders
+        assert set(holders) == {w for w, keys in chunks.items() if key in keys}
+        assert all(policy._trees[w] is tree for w, tree in holders.items())
+    for w, tree in policy._trees.items():
+        marks = [k for k, v in tree.items() if v is not None]
+        assert marks == list(policy._marks[w])
+        assert len(marks) <= 34
+        times = [tree[m] or 0.0 for m in marks]
+        assert times == sorted(times)
+
+
+def ask(
+    policy: PrefixAwarePolicy,
+    workers: Sequence[WorkerView],
+    text: str,
+    inflight: Mapping[int, int] | None = None,
+) -> WorkerView:
+    chosen = policy.select(workers, RequestInfo("m", {}, (), text=text), inflight or {})
+    assert chosen is not None
+    return chosen
+
+
+# -- routing -----------------------------------------------------------------------------------
+
+
+def test_shared_long_prefix_goes_to_the_worker_that_saw_it() -> None:
+    policy, workers = make(), fleet(4)
+    system = words("sys", 400)
+    first = ask(policy, workers, system + " question one")
+    assert policy.decisions == {"smallest_tree": 1}
+    for i in range(10):
+        assert ask(policy, workers, f"{system} follow-up question {i}").id == first.id
+    assert policy.decisions == {"smallest_tree": 1, "prefix": 10}
+
+
+def test_the_next_turn_of_a_chat_sticks_to_its_worker() -> None:
+    policy, workers = make(), fleet(3)
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": words("q", 300)}],
+    }
+    homes = set()
+    for turn in range(5):
+        chosen = policy.select(workers, RequestInfo("m", body, ()), {})  # text from the body
+        assert chosen is not None
+        homes.add(chosen.id)
+        body["messages"] += [
+            {"role": "assistant", "content": words(f"a{turn}-", 50)},
+            {"role": "user", "content": words(f"u{turn}-", 50)},
+        ]
+    assert len(homes) == 1
+    assert policy.decisions == {"smallest_tree": 1, "prefix": 4}
+
+
+def test_different_prefixes_spread_over_the_smallest_trees() -> None:
+    policy, workers = make(), fleet(3)
+    chosen = [ask(policy, workers, words(tag, 300)).id for tag in ("a", "b", "c")]
+    assert sorted(chosen) == [0, 1, 2]
+    assert policy.decisions == {"smallest_tree": 3}
+    # A fourth new prompt goes to the worker with the least remembered, here the least loaded
+    # of equal trees; a prompt matching less than cache_threshold is a miss too.
+    busy = {chosen[0]: 5, chosen[1]: 1, chosen[2]: 3}
+    assert ask(policy, workers, words("d", 300), busy).id == chosen[1]
+    half = words("a", 100) + " " + words("x", 300)  # shares only ~1/4 with "a"
+    ask(policy, workers, half)
+    assert policy.decisions == {"smallest_tree": 5}
+
+
+def test_smallest_tree_prefers_the_worker_that_remembers_least() -> None:
+    policy, workers = make(), fleet(3)
+    policy.insert(0, words("big", 600))
+    policy.insert(1, words("small", 50))
+    assert ask(policy, workers, words("new", 200)).id == 2  # an empty tree
+    assert policy.tree_size(2) > policy.tree_size(1)
+    assert ask(policy, workers, words("newer", 20)).id == 1
+
+
+def test_prefix_ties_go_to_the_least_loaded_holder() -> None:
+    policy, workers = make(), fleet(3)
+    text = words("doc", 300)
+    policy.insert(0, text)
+    policy.insert(2, text)
+    assert ask(policy, workers, text + " more A", {0: 4, 2: 1}).id == 2
+    assert ask(policy, workers, text + " more B", {0: 1, 2: 4}).id == 0
+    assert policy.decisions == {"prefix": 2}
+
+
+def test_hot_prefix_moves_to_the_least_loaded_past_the_thresholds() -> None:
+    policy, workers = make(), fleet(4)
+    hot = words("hot", 300)
+    inflight: dict[int, int] = {}
+    picks = []
+    for i in range(40):  # none completes: the hot worker's load only grows
+        chosen = ask(policy, workers, f"{hot} request {i}", inflight)
+        inflight[chosen.id] = inflight.get(chosen.id, 0) + 1
+        picks.append(chosen.id)
+    home = picks[0]
+    # 1 miss, then the prefix wins until home is 33 ahead (> 32 and > 1.1 x 0)...
+    assert picks[:33] == [home] * 33
+    assert home not in picks[33:]
+    # ...then the load does, once per idle worker: after that the spread is back to 32, and
+    # since the moved requests taught the others the prefix, it stays with the least loaded
+    # holders, never home.
+    assert policy.decisions == {"smallest_tree": 1, "prefix": 32 + 4, "load": 3}
+    others = {w.id for w in workers} - {home}
+    assert set(picks[33:36]) == others
+    assert set(picks[36:]) <= others
+    # Once calm, the least loaded holder gets it.
+    calm = {w.id: 5 for w in workers}
+    calm[home] = 9
+    assert ask(policy, workers, f"{hot} calm", calm).id in others
+    assert policy.decisions["prefix"] == 37
+
+
+def test_imbalance_needs_both_thresholds() -> None:
+    policy, workers = make(), fleet(2)
+    text = words("p", 300)
+    policy.insert(0, text)
+    # Exceeds the absolute threshold (35 > 32) but not the relative one (400 < 1.1 x 365).
+    assert ask(policy, workers, text, {0: 400, 1: 365}).id == 0
+    # Relative (40 > 1.1 x 10) but not absolute (30 <= 32).
+    assert ask(policy, workers, text, {0: 40, 1: 10}).id == 0
+    assert policy.decisions == {"prefix": 2}
+    # Both: the least loaded. Reported queue length counts as load too.
+    assert ask(policy, workers, text, {0: 40, 1: 5}).id == 1
+    loaded = [replace(workers[0], queue_length=40), workers[1]]
+    assert ask(policy, loaded, text).id == 1
+    assert policy.decisions == {"prefix": 2, "load": 2}
+    # Thresholds are configurable.
+    strict = make({"balance_abs_threshold": 2, "balance_rel_threshold": 1.5})
+    strict.insert(0, text)
+    assert ask(strict, workers, text, {0: 4, 1: 1}).id == 1
+    assert strict.decisions == {"load": 1}
+
+
+def test_cache_threshold_is_configurable() -> None:
+    shared, rest = words("s", 100), words("r", 300)
+    lenient = make({"cache_threshold": 0.1})
+    lenient.insert(1, shared + " " + words("old", 300))
+    assert ask(lenient, fleet(3), shared + " " + rest).id == 1
+    assert lenient.decisions == {"prefix": 1}
+    default = make()
+    default.insert(1, shared + " " + words("old", 300))
+    assert ask(default, fleet(3), shared + " " + rest).id != 1
+    assert default.decisions == {"smallest_tree": 1}
+
+
+def test_a_worker_left_out_of_the_candidates_is_never_picked() -> None:
+    clock = Clock()
+    policy, workers = make(clock=clock), fleet(3)
+    text = words("gone", 300)
+    policy.insert(2, text)
+    assert ask(policy, workers, text).id == 2
+    for i in range(20):
+        assert ask(policy, workers[:2], f"{text} {i}").id != 2
+        assert ask(policy, workers[:2], words(f"n{i}-", 50), {0: 50}).id == 1
+    assert policy.match(text, [2])[0] > 0
+    assert policy.match(text, [0, 1])[1] != [2]
+    # Its entries age out: after max_age_s the sweeps drop its whole tree.
+    clock.now += 601
+    for i in range(10):
+        ask(policy, workers[:2], words(f"later{i}-", 30))
+    assert policy.tree_size(2) == 0
+    assert 2 not in policy._trees
+    check_invariants(policy)
+
+
+def test_no_workers_no_choice_and_no_text_routes_by_load() -> None:
+    policy = make()
+    assert policy.select([], RequestInfo("m", {}, (), text="hello"), {}) is None
+    assert ask(policy, fleet(3), "", {0: 2, 1: 0, 2: 1}).id == 1
+    assert policy.decisions == {"load": 1}
+    assert policy.entries == 0
+
+
+# -- the trees ---------------------------------------------------------------------------------
+
+
+def _chunk_ends(policy: PrefixAwarePolicy, n: int) -> list[int]:
+    policy._chain("x" * n)
+    return [end for start, end in zip(policy._starts, policy._ends, strict=True) if start < n]
+
+
+def test_match_agrees_with_a_brute_force_longest_common_prefix() -> None:
+    rng = random.Random(5)
+    policy = make({"chunk_chars": 16, "chunk_doubling": 4})
+    alphabet = "ab"  # few letters, so prompts share prefixes of every length
+    stored: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    for _ in range(60):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 400)))
+        worker = rng.randrange(3)
+        policy.insert(worker, text)
+        stored[worker].append(text)
+    for _ in range(300):
+        query = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 400)))
+        ends = _chunk_ends(policy, len(query))
+
+        def depth(text: str, query: str = query, ends: list[int] = ends) -> int:
+            # Chunk d matches when everything up to its end is equal (clipped to each text).
+            d = 0
+            while d < len(ends) and query[: ends[d]] == text[: ends[d]]:
+                d += 1
+            return d
+
+        best, holders = 0, []
+        for worker, texts in stored.items():
+            got = max(depth(text) for text in texts) if texts else 0
+            if got and got > best:
+                best, holders = got, [worker]
+            elif got and got == best:
+                holders.append(worker)
+        chars = min(ends[best - 1], len(query)) if best else 0
+        assert policy.match(query, [0, 1, 2]) == (chars, holders)
+    check_invariants(policy)
+
+
+def test_chunks_double_after_chunk_doubling_and_stay_fixed_without() -> None:
+    growing = make({"chunk_chars": 100, "chunk_doubling": 2})
+    assert _chunk_ends(growing, 2000) == [100, 200, 400, 600, 1000, 1400, 2200]
+    fixed = make({"chunk_chars": 100, "chunk_doubling": 0})
+    assert _chunk_ends(fixed, 450) == [100, 200, 300, 400, 500]
+
+
+def test_total_entries_never_exceed_max_entries() -> None:
+    policy, workers = make({"max_entries": 40, "chunk_chars": 8}), fleet(4)
+    for i in range(200):
+        ask(policy, workers, words(f"t{i % 23}-", 10 + i % 37), {i % 4: 1})
+        assert policy.entries <= 40
+        assert policy.entries == sum(policy.tree_size(w.id) for w in workers)
+        check_invariants(policy)
+    assert policy.entries >= 30  # it is bounded, not emptied
+    # A single prompt larger than the bound keeps only its (newest) prefix.
+    policy.insert(0, words("huge", 500))
+    assert policy.entries <= 40
+    assert policy.match(words("huge", 500), [0])[0] > 0
+
+
+def test_entries_unused_for_max_age_are_evicted() -> None:
+    clock = Clock()
+    policy, workers = make({"max_age_s": 60}, clock), fleet(2)
+    old = words("old", 300)
+    policy.insert(0, old)
+    size = policy.tree_size(0)
+    assert size > 0
+    clock.now += 59
+    for _ in range(2):  # decisions elsewhere sweep every tree in turn
+        ask(policy, [workers[1]], "elsewhere")
+    assert policy.tree_size(0) == size
+    assert policy.match(old, [0, 1])[1] == [0]
+    clock.now += 2  # 61 s since its last use
+    for _ in range(2):
+        ask(policy, [workers[1]], "elsewhere")
+    assert policy.tree_size(0) == 0
+    assert policy.match(old, [0, 1]) == (0, [])
+    assert 0 not in policy._trees
+    check_invariants(policy)
+    # Sweeping is incremental: each decision evicts at most 32 + its own chunk count.
+    big = make({"max_age_s": 60, "chunk_chars": 8, "chunk_doubling": 0}, clock)
+    big.insert(0, words("bulk", 2000))
+    before = big.entries
+    clock.now += 100
+    ask(big, [workers[0]], "tiny")
+    assert before - big.entries == 32  # 33 evicted, "tiny" added
+    while big.tree_size(0) > 1:
+        ask(big, [workers[0]], "tiny")
+        assert len(big._marks[0]) <= 2
+    assert big.entries == 1  # only "tiny", used all along
+    check_invariants(big)
+
+
+def test_a_refreshed_prefix_outlives_its_old_extensions() -> None:
+    clock = Clock()
+    policy = make({"max_age_s": 60}, clock)
+    system = words("sys", 100)
+    conv1 = system + " " + words("conv1-", 200)
+    conv2 = system + " " + words("conv2-", 10)
+    policy.insert(0, conv1)
+    clock.now += 50
+    policy.insert(0, conv2)  # uses the shared prefix again
+    clock.now += 20  # conv1's own chunks are stale now, the system prompt is not
+    for _ in range(2):
+        ask(policy, [fleet(2)[1]], "elsewhere")
+    matched, holders = policy.match(conv1, [0])
+    assert holders == [0]
+    common = next(i for i, (x, y) in enumerate(zip(conv1, conv2, strict=False)) if x != y)
+    assert matched == common // 128 * 128 > 0
+    assert policy.match(conv2, [0]) == (len(conv2), [0])
+    check_invariants(policy)
+
+
+def test_random_traffic_keeps_the_indexes_exact() -> None:
+    rng = random.Random(11)
+    clock = Clock()
+    policy = make({"max_entries": 300, "max_age_s": 30, "chunk_chars": 8}, clock)
+    workers = fleet(6)
+    systems = [words(f"s{i}-", 20) for i in range(4)]
+    for step in range(1500):
+        present = [w for w in workers if rng.random() < 0.8] or workers[:1]
+        text = rng.choice(systems) + " " + words(f"u{rng.randrange(40)}-", rng.randrange(1, 30))
+        inflight = {w.id: rng.randrange(0, 50) for w in present}
+        # What each tree holds of this prompt's chain is a prefix of it (so binary search
+        # is exact), and match() finds the longest one among the workers present.
+        chain = policy._chain(text)
+        depths = {}
+        for w, tree in policy._trees.items():
+            has = [key in tree for key in chain]
+            depths[w] = has.count(True)
+            assert has == [True] * depths[w] + [False] * (len(chain) - depths[w])
+        best = max((depths.get(w.id, 0) for w in present), default=0)
+        ends = _chunk_ends(policy, len(text))
+        expected = [w.id for w in present if best and depths.get(w.id) == best]
+        chars = min(ends[best - 1], len(text)) if best else 0
+        assert policy.match(text, [w.id for w in present]) == (chars, expected)
+        assert ask(policy, present, text, inflight) in present
+        clock.now += rng.choice((0.0, 0.1, 1.0, 5.0))
+        if step % 50 == 0:
+            check_invariants(policy)
+    check_invariants(policy)
+    assert set(policy.decisions) == {"prefix", "load", "smallest_tree"}
+
+
+def test_a_new_snapshot_tuple_is_read_afresh() -> None:
+    policy = make()
+    text = words("snap", 300)
+    first = tuple(fleet(2))
+    policy.insert(0, text)
+    assert ask(policy, first, text + " a").id == 0
+    # The next snapshot: worker 0 reports a long queue, worker 1 is gone, worker 2 is new.
+    second = (replace(first[0], queue_length=100), replace(first[1], id=2, name="w2"))
+    assert ask(policy, second, text + " b").id == 2
+    assert ask(policy, first, text + " c").id == 0  # and back
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    policy = PrefixAwarePolicy()
+    assert policy.name == "prefix_aware"
+    assert policy.needs_request_text is True
+    assert (policy.cache_threshold, policy.balance_abs_threshold) == (0.5, 32)
+    assert (policy.balance_rel_threshold, policy.chunk_chars) == (1.1, 128)
+    assert (policy.chunk_doubling, policy.max_entries, policy.max_age_s) == (8, 100_000, 600)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"cache_threshold": 1.5},
+        {"cache_threshold": -0.1},
+        {"cache_threshold": "0.5"},
+        {"cache_threshold": math.nan},
+        {"balance_abs_threshold": -1},
+        {"balance_abs_threshold": True},
+        {"balance_rel_threshold": 0.9},
+        {"balance_rel_threshold": math.inf},
+        {"chunk_chars": 4},
+        {"chunk_chars": 64.0},
+        {"chunk_chars": 1 << 20},
+        {"chunk_doubling": -1},
+        {"max_entries": 0},
+        {"max_entries": None},
+        {"max_age_s": 0},
+        {"max_age_s": -5},
+        {"cache_treshold": 0.5},
+    ],
+)
+def test_bad_config_raises_value_error(config: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="prefix_aware"):
+        PrefixAwarePolicy(config)
+
+
+def test_good_config_is_taken() -> None:
+    policy = PrefixAwarePolicy(
+        {
+            "cache_threshold": 1,
+            "balance_abs_threshold": 0,
+            "balance_rel_threshold": 1,
+            "chunk_chars": 64,
+            "chunk_doubling": 0,
+            "max_entries": 10,
+            "max_age_s": 0.5,
+        }
+    )
+    assert (policy.cache_threshold, policy.chunk_chars, policy.max_entries) == (1.0, 64, 10)
+    assert (policy.chunk_doubling, policy.max_age_s) == (0, 0.5)
+
+
+# -- request_text ------------------------------------------------------------------------------
+
+
+def test_chat_text_has_roles_and_contents_in_order() -> None:
+    text = request_text(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hello there"},
+            ]
+        }
+    )
+    assert text == "system\x1fBe brief.\x1euser\x1fHello there"
+    swapped = request_text(
+        {"messages": [{"role": "user", "content": "Be brief."}, {"role": "system", "content": "x"}]}
+    )
+    assert swapped != text
+
+
+def test_chat_text_is_prefix_preserving_across_turns() -> None:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "one"}]
+    first = request_text({"messages": messages})
+    messages += [{"role": "assistant", "content": "two"}, {"role": "user", "content": "three"}]
+    assert request_text({"messages": messages}).startswith(first)
+
+
+def test_chat_parts_keep_text_and_mark_images() -> None:
+    def body(url: str) -> dict[str, Any]:
+        return {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is in"},
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": "this picture?"},
+                    ],
+                }
+            ]
+        }
+
+    text = request_text(body("https://example.com/cat.png"))
+    assert text == "user\x1fWhat is in\x1e<image_url:https://example.com/cat.png>\x1ethis picture?"
+    assert request_text(body("https://example.com/dog.png")) != text
+    # A big data URL is shortened but two different images still differ; the same is equal.
+    cat = "data:image/png;base64," + "A" * 5000 + "cat"
+    dog = "data:image/png;base64," + "A" * 5000 + "dog"
+    assert len(request_text(body(cat))) < 200
+    assert request_text(body(cat)) != request_text(body(dog))
+    assert request_text(body(cat)) == request_text(body("".join(list(cat))))
+    # The part's own string form of an image_url works too.
+    short = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]}
+    assert request_text(short) == "user\x1f<image_url:u>"
+
+
+def test_chat_oddities_do_not_raise() -> None:
+    body: dict[str, Any] = {
+        "system": "Anthropic system",
+        "messages": [
+            "not a message",
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+                ],
+            },
+            {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "QUJD"}}]},
+            {"content": 5},
+        ],
+    }
+    text = request_text(body)
+    assert text.startswith("system\x1fAnthropic system\x1e")
+    assert 'f({"x": 1})' in text
+    assert "<input_audio:QUJD>" in text
+
+
+def test_completion_prompts() -> None:
+    assert request_text({"prompt": "Once upon a time"}) == "Once upon a time"
+    assert request_text({"prompt": ["Once upon", "a time"]}) == "Once upon\x1ea time"
+    assert request_text({"prompt": [1, 22, 333]}) == "1 22 333"
+    assert request_text({"prompt": [[1, 2], [3]]}) == "1 2\x1e3"
+    assert request_text({"prompt": [1, 2]}) != request_text({"prompt": [12]})
+    assert request_text({"prompt": ""}) == ""
+    assert request_text({"prompt": []}) == ""
+
+
+def test_other_bodies() -> None:
+    assert request_text({"input": "embed me"}) == "embed me"
+    assert request_text({"input": ["a", "b"]}) == "a\x1eb"
+    responses = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
+    assert request_text(responses) == "user\x1fhi"
+    assert request_text({}) == ""
+    assert request_text({"model": "m", "prompt": 7}) == ""

@@ -16,7 +16,8 @@ characters to guess which worker holds a prompt's prefix in its KV cache.
 * Completions (`prompt`): a string as is; a list of strings joined; token ids as decimal
   numbers separated by spaces (a list of lists of ids likewise, one list after the other).
 * Anything else (`/v1/responses`' `input`, embeddings): `input` read the same way, as a
-  string, a list of strings or ids, or a list of message-like items.
+  string, a list of strings or ids, or a list of message-like items, after the Responses
+  API's `instructions` (as a system message) when present.
 
 Separators are control characters that do not occur in ordinary text (U+001E between
 messages and parts, U+001F between a role and its content), so a message boundary never
@@ -49,9 +50,11 @@ def request_text(body: Mapping[str, Any]) -> str:
     if prompt is not None:
         return _prompt_text(prompt)
     value = body.get("input")
+    instructions = body.get("instructions")  # /v1/responses' system prompt
+    head = "system" + _ROLE + instructions + _MSG if isinstance(instructions, str) else ""
     if isinstance(value, list) and value and isinstance(value[0], Mapping):
-        return _messages_text(value)
-    return _prompt_text(value) if value is not None else ""
+        return head + _messages_text(value)
+    return head + _prompt_text(value) if value is not None else head
 
 
 def _messages_text(messages: list[Any]) -> str:

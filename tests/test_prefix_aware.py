@@ -212,7 +212,7 @@ def test_a_worker_left_out_of_the_candidates_is_never_picked() -> None:
         assert ask(policy, workers[:2], f"{text} {i}").id != 2
         assert ask(policy, workers[:2], words(f"n{i}-", 50), {0: 50}).id == 1
     assert policy.match(text, [2])[0] > 0
-    assert policy.match(text, [0, 1])[1] != [2]
+    assert 2 not in policy.match(text, [0, 1])[1]
     # Its entries age out: after max_age_s the sweeps drop its whole tree.
     clock.now += 601
     for i in range(10):
@@ -311,18 +311,35 @@ def test_entries_unused_for_max_age_are_evicted() -> None:
     assert policy.match(old, [0, 1]) == (0, [])
     assert 0 not in policy._trees
     check_invariants(policy)
-    # Sweeping is incremental: each decision evicts at most 32 + its own chunk count.
+    # Sweeping is incremental: a decision sweeps two trees (here twice the same one), at
+    # most 32 + its own chunk count items each.
     big = make({"max_age_s": 60, "chunk_chars": 8, "chunk_doubling": 0}, clock)
     big.insert(0, words("bulk", 2000))
     before = big.entries
     clock.now += 100
     ask(big, [workers[0]], "tiny")
-    assert before - big.entries == 32  # 33 evicted, "tiny" added
+    assert before - big.entries == 2 * 33 - 1  # 66 evicted, "tiny" added
     while big.tree_size(0) > 1:
         ask(big, [workers[0]], "tiny")
         assert len(big._marks[0]) <= 2
     assert big.entries == 1  # only "tiny", used all along
     check_invariants(big)
+
+
+def test_time_marks_stay_few_however_rarely_a_tree_is_swept() -> None:
+    clock = Clock()
+    policy, workers = make({"max_age_s": 60}, clock), fleet(40)
+    for step in range(3000):
+        if step % 20 == 0:  # keep 39 other trees alive, so tree 0 is swept 1 time in 40
+            for w in workers[1:]:
+                policy.insert(w.id, words(f"keep{w.id}-", 30))
+        clock.now += 2.0  # each credit of worker 0 adds a mark (every 60/32 s at most)
+        ask(policy, workers[:1], words(f"t{step}-", 20))
+        # A mark lives max_age_s (here 30 marks, one per 2 s), not one more per credit
+        # forever: the credited tree is swept too, not only 1 time in 40.
+        assert len(policy._marks[0]) <= 30 + 2
+    assert len(policy._trees) == 40
+    check_invariants(policy)
 
 
 def test_a_refreshed_prefix_outlives_its_old_extensions() -> None:
@@ -535,5 +552,8 @@ def test_other_bodies() -> None:
     assert request_text({"input": ["a", "b"]}) == "a\x1eb"
     responses = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
     assert request_text(responses) == "user\x1fhi"
+    assert request_text({**responses, "instructions": "Be kind."}) == (
+        "system\x1fBe kind.\x1euser\x1fhi"
+    )
     assert request_text({}) == ""
     assert request_text({"model": "m", "prompt": 7}) == ""

@@ -62,11 +62,12 @@ entries before it are stale. An entry is evicted between ``max_age_s`` and about
 then it still counts for matching (vLLM itself never drops a cached block for age, only
 for room).
 
-Memory: an entry is one (worker, chunk) pair, about 180-200 bytes measured with
+Memory: an entry is one (worker, chunk) pair, about 140-160 bytes measured with
 tracemalloc (the OrderedDict slot and linked-list node, the chain-hash int, its share of
 the first-chunk index), so the default ``max_entries`` of 100,000 bounds the policy near
-20 MB per served model (a hash table that has just doubled adds up to half as much again
-for a while). Marks are at most 33 per tree.
+16 MB per served model (a hash table that has just doubled adds up to half as much again
+for a while). Marks are few: one per ``max_age_s / 32`` of use of a tree, dropped as
+they go stale.
 
 Knobs (the served model's policy_config; an unknown key or a bad value is a ValueError)
 ---------------------------------------------------------------------------------------
@@ -105,9 +106,11 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     is what smallest-tree routing assumes anyway.
 ``max_age_s`` (number > 0, default 600)
     Entries not used for this long are evicted: every decision sweeps the stale head of
-    one tree (round robin over the trees, at most 32 + the request's chunk count entries),
-    so memory comes back incrementally and the trees of workers that left the list drain
-    and are dropped. Set it near how long the workers' caches keep an idle prefix.
+    the tree it credited and of one other tree in turn (round robin), at most 32 + the
+    request's chunk count items each, so memory comes back incrementally, a busy tree's
+    stale part never grows faster than it is swept, and the trees of idle workers and of
+    workers that left the list drain and are dropped. Set it near how long the workers'
+    caches keep an idle prefix.
 
 Not thread-safe: one router process decides on one event loop. No I/O. `insert()` credits
 a prompt to a worker (benchmarks, tests); `match()`, `tree_size()` and `entries` inspect.
@@ -265,9 +268,14 @@ class PrefixAwarePolicy(BasePolicy):
                     at = list(compress(count(), map(eq, sizes, repeat(smallest))))
                     chosen = self._least([workers[i] for i in at], [loads[i] for i in at])
         self.decisions[reason] += 1
+        budget = _SWEEP_BASE + len(hashes)
         if hashes:
             self._insert(chosen.id, hashes, now, held)
-        self._sweep(now, _SWEEP_BASE + len(hashes))
+            self._sweep(chosen.id, now, budget)  # its stale head cannot outgrow its inserts
+        if not self._sweep_queue:  # and one tree in turn, so idle and departed ones drain
+            self._sweep_queue = list(self._trees)
+        if self._sweep_queue:
+            self._sweep(self._sweep_queue.pop(), now, budget)
         return chosen
 
     def _fleet_of(
@@ -422,22 +430,24 @@ class PrefixAwarePolicy(BasePolicy):
             if not holders:
                 del heads[key]
 
-    def _sweep(self, now: float, budget: int) -> None:
-        """Evict the stale head of one tree (round robin); drop the tree once empty."""
-        if not self._sweep_queue:
-            if not self._trees:
-                return
-            self._sweep_queue = list(self._trees)
-        worker_id = self._sweep_queue.pop()
+    def _sweep(self, worker_id: int, now: float, budget: int) -> None:
+        """Evict up to `budget` stale items from the head of a worker's tree; drop the tree
+        once it holds no entries."""
         tree = self._trees.get(worker_id)
         if tree is None:
             return
         marks = self._marks[worker_id]
-        if marks and (tree[marks[0]] or 0.0) < now - self.max_age_s:
-            # Everything up to the oldest mark is stale: evict it, the mark included if it
-            # falls within the budget.
+        cutoff = now - self.max_age_s
+        stale = 0  # marks at the head older than max_age_s: all before the last is stale
+        for mark in marks:
+            if (tree[mark] or 0.0) >= cutoff:
+                break
+            stale += 1
+        if stale:
+            # Evict up to the last stale mark, at most `budget` items this time.
             window = list(map(is_not, islice(tree.values(), budget), repeat(None)))
-            n = window.index(True) + 1 if True in window else len(window)
+            at = list(compress(count(), window))  # where the marks are in the window
+            n = at[stale - 1] + 1 if len(at) >= stale else len(window)
             self._pop_oldest(worker_id, tree, n, entries=False)
         if not self._sizes[worker_id]:
             del self._trees[worker_id], self._marks[worker_id], self._sizes[worker_id]

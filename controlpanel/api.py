@@ -15,7 +15,7 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
 from ninja.security.session import SessionAuthIsStaff
 
-from controlpanel import services
+from controlpanel import selectors, services
 from controlpanel.models import ServedModel, Worker
 from routing.policies import POLICIES
 
@@ -169,7 +169,9 @@ class ServedModelOut(Schema):
 
     @staticmethod
     def resolve_workers(obj: ServedModel) -> list[int]:
-        return [w.pk for w in Worker.objects.all() if obj.name in w.model_ids]
+        # Set by the endpoints from one query; a list of N models must not cost N scans.
+        worker_ids: list[int] = getattr(obj, "worker_ids", [])
+        return worker_ids
 
 
 class ServedModelPatch(Schema):
@@ -239,21 +241,29 @@ def workers_update(request: HttpRequest, worker_id: int, payload: WorkerPatch) -
 
 @api.get("/models", response=list[ServedModelOut], auth=ADMIN_AUTH, tags=["models"])
 def models_list(request: HttpRequest) -> Any:
-    return ServedModel.objects.all()
+    return _with_workers(list(ServedModel.objects.all()))
+
+
+def _with_workers(models: list[ServedModel]) -> list[ServedModel]:
+    serving = selectors.workers_by_model()
+    for model in models:
+        model.worker_ids = serving.get(model.name, [])  # type: ignore[attr-defined]
+    return models
 
 
 @api.get("/models/{path:name}", response=ServedModelOut, auth=ADMIN_AUTH, tags=["models"])
 def models_get(request: HttpRequest, name: str) -> Any:
-    return ServedModel.objects.get(name=name)
+    return _with_workers([ServedModel.objects.get(name=name)])[0]
 
 
 @api.patch("/models/{path:name}", response=ServedModelOut, auth=ADMIN_AUTH, tags=["models"])
 def models_set_policy(request: HttpRequest, name: str, payload: ServedModelPatch) -> Any:
     """Choose the balancing policy of one model (names: see GET /api/policies)."""
-    return services.served_model_set_policy(
+    model = services.served_model_set_policy(
         name=name, policy=payload.policy, policy_config=payload.policy_config,
         actor=_actor(request),
     )  # fmt: skip
+    return _with_workers([model])[0]
 
 
 @api.get("/policies", response=list[str], auth=ADMIN_AUTH, tags=["models"])

@@ -15,7 +15,7 @@ from django.db.models import QuerySet
 from django.template.loader import render_to_string
 from django.utils import timezone
 
-from controlpanel.models import RouterInstance, Worker, WorkerSample, WorkerState
+from controlpanel.models import RouterInstance, Worker, WorkerSample
 from controlpanel.services import ROUTER_LIVENESS
 
 SPARKLINE_MINUTES = 15
@@ -87,19 +87,11 @@ def _row(worker: Worker, routers: RouterView, samples: list[WorkerSample], now: 
     return Row(
         worker=worker,
         inflight=routers.inflight.get(worker.pk, 0),
-        routable=_routable(worker, now),
+        routable=worker.is_routable(settings.CONTROLPANEL_HEARTBEAT_EXPIRY, now),
         heartbeat_at=worker.last_heartbeat.timestamp() if worker.last_heartbeat else None,
         probe_at=worker.last_probe_at.timestamp() if worker.last_probe_at else None,
         sparkline=sparkline_points([_load(s) for s in samples]),
         metrics=metrics,
-    )
-
-
-def _routable(worker: Worker, now: datetime) -> bool:
-    return (
-        worker.state == WorkerState.ACTIVE
-        and not worker.sleeping
-        and not worker.heartbeat_expired(settings.CONTROLPANEL_HEARTBEAT_EXPIRY, now)
     )
 
 

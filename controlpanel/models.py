@@ -97,6 +97,15 @@ class Worker(models.Model):
         age = self.heartbeat_age(now)
         return age is None or age > expiry_seconds
 
+    def is_routable(self, expiry_seconds: int, now: datetime | None = None) -> bool:
+        """The one rule for "gets new requests", shared by the router's snapshot and the
+        dashboard so the two never disagree."""
+        return (
+            self.state == WorkerState.ACTIVE
+            and not self.sleeping
+            and not self.heartbeat_expired(expiry_seconds, now)
+        )
+
 
 class ServedModel(models.Model):
     """A model name clients can ask for, and how requests for it are balanced."""

@@ -13,7 +13,7 @@ from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
 from controlpanel import health, services
-from controlpanel.models import RoutingGeneration, ServedModel, Worker, WorkerSource, WorkerState
+from controlpanel.models import RoutingGeneration, ServedModel, Worker, WorkerSource
 from routing.snapshot import ModelEntry, ServedModelInfo, Snapshot, WorkerView, build_snapshot
 
 P = ParamSpec("P")
@@ -21,11 +21,7 @@ T = TypeVar("T")
 
 
 def worker_view(worker: Worker, *, now: datetime) -> WorkerView:
-    routable = (
-        worker.state == WorkerState.ACTIVE
-        and not worker.sleeping
-        and not worker.heartbeat_expired(settings.CONTROLPANEL_HEARTBEAT_EXPIRY, now)
-    )
+    routable = worker.is_routable(settings.CONTROLPANEL_HEARTBEAT_EXPIRY, now)
     metrics = worker.metrics or {}
     return WorkerView(
         id=worker.pk,
@@ -55,6 +51,15 @@ def _model_entry(raw: dict[str, Any]) -> ModelEntry:
         max_model_len=raw.get("max_model_len"),
         created=raw.get("created"),
     )
+
+
+def workers_by_model() -> dict[str, list[int]]:
+    """Which workers serve each model name (base or LoRA), from one query."""
+    serving: dict[str, list[int]] = {}
+    for pk, entries in Worker.objects.values_list("pk", "models"):
+        for entry in entries:
+            serving.setdefault(entry["id"], []).append(pk)
+    return serving
 
 
 def routing_snapshot_build() -> Snapshot:

@@ -28,32 +28,16 @@ from routing.policies.power_of_two import PowerOfTwoPolicy
 from routing.policies.round_robin import RoundRobinPolicy
 from routing.policies.session_affinity import SessionAffinityPolicy
 from routing.policies.weighted_random import WeightedRandomPolicy
-from routing.snapshot import ModelEntry, WorkerView
+from routing.snapshot import WorkerView
+from tests.factories import worker_view
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_INFLIGHT: Mapping[int, int] = {}
 REQUEST = RequestInfo(model="m", body={}, raw_headers=(), text="hello")
-BASE = WorkerView(
-    id=1,
-    name="w1",
-    url="http://127.0.0.1:9001",
-    state="healthy",
-    source="static",
-    models=(ModelEntry("m"),),
-    queue_length=0,
-    last_heartbeat=None,
-    routable=True,
-)
 
 
 def worker(worker_id: int, **changes: Any) -> WorkerView:
-    return replace(
-        BASE,
-        id=worker_id,
-        name=f"w{worker_id}",
-        url=f"http://127.0.0.1:{9000 + worker_id}",
-        **changes,
-    )
+    return worker_view(worker_id, **changes)
 
 
 def fleet(n: int, **changes: Any) -> tuple[WorkerView, ...]:
@@ -558,6 +542,7 @@ from dataclasses import replace
 from routing.policies.session_affinity import SessionAffinityPolicy
 from routing.policies.base import RequestInfo
 from routing.snapshot import ModelEntry, WorkerView
+from tests.factories import worker_view
 base = WorkerView(id=0, name="w", url="u", state="healthy", source="static",
                   models=(ModelEntry("m"),), queue_length=0, last_heartbeat=None, routable=True)
 workers = tuple(replace(base, id=i) for i in json.loads(sys.argv[1]))

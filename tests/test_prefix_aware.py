@@ -13,23 +13,12 @@ import pytest
 from routing.policies.base import RequestInfo
 from routing.policies.prefix_aware import PrefixAwarePolicy
 from routing.request_text import request_text
-from routing.snapshot import ModelEntry, WorkerView
-
-BASE = WorkerView(
-    id=0,
-    name="w0",
-    url="http://127.0.0.1:1",
-    state="ready",
-    source="manual",
-    models=(ModelEntry("m"),),
-    queue_length=0,
-    last_heartbeat=None,
-    routable=True,
-)
+from routing.snapshot import WorkerView
+from tests.factories import worker_view
 
 
 def fleet(n: int) -> list[WorkerView]:
-    return [replace(BASE, id=i, name=f"w{i}", url=f"http://127.0.0.1:{9000 + i}") for i in range(n)]
+    return [worker_view(i) for i in range(n)]
 
 
 def words(tag: str, n: int) -> str:

@@ -1,0 +1,84 @@
+"""Request IDs and the router's structured access log.
+
+Every proxied request gets an id: the client's `X-Request-ID` when it sent a sensible one
+(up to MAX_REQUEST_ID printable ASCII characters), otherwise a new random one. The id is
+forwarded to the worker (vLLM names its own request after it), returned to the client in
+the answer's `X-Request-ID`, and written in the access log: one JSON object per request,
+on the `routing.access` logger, with what happened and never with what was asked: no
+prompt text, and of the client's key only its public prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from time import perf_counter
+from typing import Any
+
+import orjson
+
+from routing.auth import SCOPE_KEY
+from routing.metrics import CLIENT_CLOSED, RequestTrace
+
+Message = MutableMapping[str, Any]
+Send = Callable[[Message], Awaitable[None]]
+
+HEADER = b"x-request-id"
+MAX_REQUEST_ID = 128
+log = logging.getLogger("routing.access")
+
+
+def request_id(scope: MutableMapping[str, Any]) -> bytes:
+    """The request's id; a made-up one is added to the headers that go upstream."""
+    headers = scope["headers"]
+    for name, value in headers:
+        if name == HEADER:
+            if _sensible(value):
+                return bytes(value)
+            headers = [(n, v) for n, v in headers if n != HEADER]
+            break
+    made = os.urandom(16).hex().encode()
+    scope["headers"] = [*headers, (HEADER, made)]
+    return made
+
+
+def with_request_id(send: Send, rid: bytes) -> Send:
+    """`send`, with our id on the answer in place of whatever the worker said."""
+
+    async def stamped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(n, v) for n, v in message.get("headers", ()) if n.lower() != HEADER]
+            headers.append((HEADER, rid))
+            message["headers"] = headers
+        await send(message)
+
+    return stamped
+
+
+def enabled() -> bool:
+    return log.isEnabledFor(logging.INFO)
+
+
+def write(scope: MutableMapping[str, Any], trace: RequestTrace, rid: bytes, worker: str) -> None:
+    """One line per proxied request, at its end."""
+    key = scope.get(SCOPE_KEY)
+    first_byte = trace.first_byte
+    line = {
+        "ts": round(time.time(), 3),
+        "request_id": rid.decode("ascii"),
+        "method": scope["method"],
+        "path": scope["path"],
+        "model": trace.model or None,
+        "worker": worker or None,
+        "status": trace.status or CLIENT_CLOSED,
+        "duration_ms": round((perf_counter() - trace.started) * 1000, 2),
+        "ttft_ms": None if first_byte is None else round((first_byte - trace.started) * 1000, 2),
+        "key": None if key is None else key.prefix,
+    }
+    log.info(orjson.dumps(line).decode())
+
+
+def _sensible(value: bytes) -> bool:
+    return 0 < len(value) <= MAX_REQUEST_ID and value.isascii() and value.decode().isprintable()

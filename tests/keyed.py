@@ -1,0 +1,63 @@
+"""Helpers for tests of client API keys: a router that requires them, and keys to use."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from controlpanel import keys, services
+from controlpanel.models import Worker
+from routing.simulator import RunningSimulator
+from tests.conftest import RouterServer, start_router, stop_process, wait_until
+
+
+@pytest.fixture(scope="module")
+def keyed_router(
+    django_db_setup: None, django_db_blocker: Any, var_dir: Path
+) -> Iterator[RouterServer]:
+    with django_db_blocker.unblock():
+        server = start_router(var_dir, CONTROLPANEL_REQUIRE_API_KEY="1")
+    yield server
+    stop_process(server.proc)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def issue(router: RouterServer, name: str = "test-key", **options: Any) -> str:
+    """A new key, once the router knows it."""
+    secret = keys.api_key_create(name=name, actor="test", **options).secret
+    wait_until(lambda: router.get("/v1/models", headers=bearer(secret)).status_code == 200)
+    return secret
+
+
+def add_keyed_worker(router: RouterServer, sim: RunningSimulator, key: str) -> Worker:
+    """A worker, once the keyed router lists its model to a key that sees every model."""
+    worker = services.worker_add(url=sim.url, name="", actor="test")
+    model = sim.state.config.model
+
+    def listed() -> bool:
+        answer = router.get("/v1/models", headers=bearer(key))
+        return answer.status_code == 200 and model in {m["id"] for m in answer.json()["data"]}
+
+    wait_until(listed)
+    return worker
+
+
+def openai_client(router: RouterServer, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key=key, max_retries=0)
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    """The OpenAI-format error of a response, checked for shape."""
+    assert response.headers["content-type"].startswith("application/json"), response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == response.status_code
+    return error

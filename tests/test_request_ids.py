@@ -1,0 +1,77 @@
+"""Request IDs travel client -> router -> worker -> client, and each proxied request leaves
+one JSON access-log line without its prompt."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.conftest import AddWorker, RouterServer, StartSimulator, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+SECRET_PROMPT = "the-secret-prompt-text-42"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 2}
+
+
+def forwarded_ids(sim: Any) -> list[str]:
+    return [
+        {k.lower(): v for k, v in r["headers"].items()}.get("x-request-id", "")
+        for r in sim.state.requests
+        if r["path"] == "/v1/chat/completions"
+    ]
+
+
+def access_lines(router: RouterServer, request_id: str) -> list[dict[str, Any]]:
+    lines = [line for line in router.log().splitlines() if request_id in line]
+    return [json.loads(line) for line in lines]
+
+
+def test_a_client_request_id_goes_upstream_and_comes_back(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
+    sim = simulator("m")
+    add_worker(sim, name="gpu-rid")
+    response = router.post("/v1/chat/completions", json=CHAT, headers={"X-Request-ID": "req-7"})
+    assert response.status_code == 200
+    assert response.headers.get_list("x-request-id") == ["req-7"]
+    assert forwarded_ids(sim) == ["req-7"]
+    assert response.json()["id"].endswith("req-7")  # vLLM names its request after it
+
+    [line] = wait_until(lambda: access_lines(router, "req-7"))
+    assert line["method"] == "POST" and line["path"] == "/v1/chat/completions"
+    assert line["model"] == "m" and line["worker"] == "gpu-rid" and line["status"] == 200
+    assert line["duration_ms"] > 0 and line["ttft_ms"] is not None and line["key"] is None
+    assert SECRET_PROMPT not in router.log()
+
+
+def test_a_missing_or_unusable_request_id_is_replaced_by_a_new_one(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
+    sim = simulator("m")
+    add_worker(sim)
+    plain = router.post("/v1/chat/completions", json=CHAT)
+    made = plain.headers["x-request-id"]
+    assert len(made) == 32 and int(made, 16) >= 0
+    for unusable in ("x" * 500, "tab\there"):
+        response = router.post(
+            "/v1/chat/completions", json=CHAT, headers={"X-Request-ID": unusable}
+        )
+        assert response.headers["x-request-id"] != unusable
+    streamed = router.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert streamed.status_code == 200 and len(streamed.headers["x-request-id"]) == 32
+    ids = forwarded_ids(sim)
+    assert ids[0] == made and len(set(ids)) == 4 and all(len(i) == 32 for i in ids)
+
+
+def test_router_made_errors_carry_an_id_and_are_logged(router: RouterServer) -> None:
+    response = router.post(
+        "/v1/chat/completions", json={**CHAT, "model": "nobody"}, headers={"X-Request-ID": "e-1"}
+    )
+    assert response.status_code == 404 and response.headers["x-request-id"] == "e-1"
+    bad = router.post("/v1/completions", content=b"{nope", headers={"X-Request-ID": "e-2"})
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "e-2"
+    [line] = wait_until(lambda: access_lines(router, "e-1"))
+    assert line["status"] == 404 and line["worker"] is None and line["model"] is None
+    assert wait_until(lambda: access_lines(router, "e-2"))[0]["status"] == 400

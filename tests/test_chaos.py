@@ -1,0 +1,126 @@
+"""Chaos: under steady streaming load, one simulated worker's process is killed outright.
+
+Requests that had not started on it succeed elsewhere (retries), streams that were on it end
+with an error event within a second, nobody hangs, the router stops sending it requests
+within 5 s, and once restarted it rejoins by itself (Celery's probes readmit it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from controlpanel import services
+from tests.conftest import ROOT, RouterServer, free_port, stop_process, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@dataclass
+class Stream:
+    started: float
+    ended: float = 0.0
+    done: bool = False  # ended with data: [DONE]
+    error_event: bool = False  # ended with the router's in-stream error event
+    failure: str = ""  # anything else: an HTTP error, an exception
+
+
+def start_sim(port: int) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "manage.py", "simulate_vllm", "--port", str(port),
+               "--model", "m", "--ttft-ms", "5", "--itl-ms", "40"]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    wait_until(lambda: _up(f"http://127.0.0.1:{port}"))
+    return proc
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _running(url: str) -> int:
+    running: int = httpx.get(f"{url}/sim/stats", timeout=2).json()["running"]
+    return running
+
+
+def one_stream(url: str) -> Stream:
+    record = Stream(time.monotonic())
+    body = {"model": "m", "prompt": "chaos", "max_tokens": 30, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=20) as response:
+            if response.status_code != 200:
+                record.failure = f"HTTP {response.status_code}: {response.read()!r}"
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+            record.done = bool(lines) and lines[-1] == "data: [DONE]"
+            record.error_event = bool(lines) and '"error"' in lines[-1]
+    except httpx.HTTPError as exc:
+        record.failure = f"{type(exc).__name__}: {exc}"
+    record.ended = time.monotonic()
+    return record
+
+
+def upstream_errors(router: RouterServer, worker: str) -> float:
+    total = 0.0
+    for line in router.get("/metrics").text.splitlines():
+        if line.startswith(f'controlpanel_router_upstream_errors_total{{worker="{worker}"'):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_killing_a_worker_under_load(
+    router: RouterServer, celery_worker: subprocess.Popen[bytes]
+) -> None:
+    ports = [free_port(), free_port()]
+    sims = [start_sim(port) for port in ports]
+    victim_url = f"http://127.0.0.1:{ports[0]}"
+    try:
+        workers = [
+            services.worker_add(url=f"http://127.0.0.1:{p}", name=f"chaos-{i}", actor="test")
+            for i, p in enumerate(ports)
+        ]
+        router.wait_routable(*workers)
+        streams: list[Stream] = []
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                streams.append(one_stream(router.url))
+
+        threads = [threading.Thread(target=load) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len(streams) >= 6, timeout=20)
+        wait_until(lambda: _running(victim_url) >= 1)  # so some streams are cut
+        killed_at = time.monotonic()
+        sims[0].kill()
+        sims[0].wait()
+        time.sleep(5)
+        errors_at_5s = upstream_errors(router, "chaos-0")
+        time.sleep(2)
+        assert upstream_errors(router, "chaos-0") == errors_at_5s  # nothing new went to it
+        sims[0] = start_sim(ports[0])  # restarted: the probes readmit it
+        wait_until(lambda: router.workers()[workers[0].pk]["routable"], timeout=20)
+        wait_until(
+            lambda: httpx.get(f"{victim_url}/sim/stats", timeout=2).json()["received"] > 0,
+            timeout=20,
+        )
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+            assert not thread.is_alive(), "a client hung"
+    finally:
+        for sim in sims:
+            stop_process(sim)
+    failures = [s for s in streams if s.failure or not (s.done or s.error_event)]
+    assert failures == []
+    broken = [s for s in streams if s.error_event]
+    assert 1 <= len(broken) <= 6  # the streams that were on the killed worker
+    assert all(s.started < killed_at and s.ended - killed_at < 1.0 for s in broken)
+    assert all(s.done for s in streams if s.started > killed_at)  # retried elsewhere

@@ -11,7 +11,10 @@ class WorkerAdmin(admin.ModelAdmin[Worker]):
     list_display = ("name", "url", "state", "source", "queue_length", "last_heartbeat")
     list_filter = ("state", "source")
     search_fields = ("name", "url")
-    readonly_fields = ("models", "last_heartbeat", "queue_length", "created_at", "updated_at")
+    readonly_fields = (
+        "models", "last_heartbeat", "queue_length", "created_at", "updated_at",
+        "gpus", "gpus_source", "gpus_at", "gpu_warnings",
+    )  # fmt: skip
     actions = ("drain", "activate")
 
     @admin.action(description="Drain the selected workers")

@@ -3,6 +3,10 @@
 It registers the server, heartbeats with the queue length read from the server's own
 /metrics, registers again when the controller has forgotten it (a 404 on heartbeat, as
 FastChat does), and drains the server on SIGTERM so no new request is sent to it.
+
+Each heartbeat also carries this machine's GPU readings from NVML (controlpanel.gpu), when
+there is NVML to read; without it the agent logs "no GPU" once and sends no GPU block. A
+`dcgm_url` given at start is registered as the worker's DCGM exporter for the probes.
 """
 
 from __future__ import annotations
@@ -11,9 +15,12 @@ import logging
 import signal
 import threading
 from types import FrameType
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from controlpanel.gpu import NvmlReader
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +49,14 @@ class Agent:
         token: str,
         name: str = "",
         interval: float | None = None,
+        dcgm_url: str = "",
+        nvml: NvmlReader | None = None,
     ) -> None:
         self.controller = controller.rstrip("/")
         self.worker_url = worker_url.rstrip("/")
         self.name = name
+        self.dcgm_url = dcgm_url
+        self.nvml = nvml or NvmlReader()
         self.interval = interval
         self.worker_id: int | None = None
         self.stopping = threading.Event()
@@ -71,10 +82,10 @@ class Agent:
             self.heartbeat()
 
     def register(self) -> None:
-        response = self.http.post(
-            f"{self.controller}/api/workers/register",
-            json={"url": self.worker_url, "name": self.name},
-        )
+        payload = {"url": self.worker_url, "name": self.name}
+        if self.dcgm_url:
+            payload["dcgm_url"] = self.dcgm_url
+        response = self.http.post(f"{self.controller}/api/workers/register", json=payload)
         response.raise_for_status()
         body = response.json()
         self.worker_id = int(body["id"])
@@ -84,8 +95,7 @@ class Agent:
 
     def heartbeat(self) -> None:
         response = self.http.post(
-            f"{self.controller}/api/workers/{self.worker_id}/heartbeat",
-            json={"queue_length": self.read_queue_length()},
+            f"{self.controller}/api/workers/{self.worker_id}/heartbeat", json=self.beat()
         )
         if response.status_code == 404:
             log.info("the controller forgot worker %s; registering again", self.worker_id)
@@ -93,6 +103,14 @@ class Agent:
             self.register()
             return
         response.raise_for_status()
+
+    def beat(self) -> dict[str, Any]:
+        """One heartbeat's body: the queue length and, only when NVML reads, the GPUs."""
+        body: dict[str, Any] = {"queue_length": self.read_queue_length()}
+        gpus = self.nvml.read()
+        if gpus is not None:
+            body["gpus"] = gpus
+        return body
 
     def read_queue_length(self) -> int | None:
         try:

@@ -10,12 +10,12 @@ from typing import Any
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
-from ninja import NinjaAPI, Schema
+from ninja import Field, NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
 from ninja.security.session import SessionAuthIsStaff
 
-from controlpanel import selectors, services
+from controlpanel import gpu, selectors, services
 from controlpanel.models import ServedModel, Worker
 from routing.policies import POLICIES
 
@@ -57,7 +57,7 @@ class StaffSession(SessionAuthIsStaff):
         return super()._get_key(request)
 
 
-ADMIN_AUTH = [AdminToken(), StaffSession()]
+ADMIN_AUTH: list[Any] = [AdminToken(), StaffSession()]
 AGENT_AUTH = [WorkerToken()]
 
 
@@ -143,27 +143,42 @@ class WorkerOut(Schema):
     heartbeat_age_s: float | None
     created_at: datetime
     updated_at: datetime
+    dcgm_url: str
+    # The latest per-GPU readings (controlpanel.gpu) and where they came from ("nvml",
+    # "dcgm"); an empty source means no GPU source reports.
+    gpus_source: str
+    gpus_at: datetime | None
+    gpus: list[dict[str, Any]]
+    gpu_warnings: list[str]
 
     @staticmethod
     def resolve_heartbeat_age_s(obj: Worker) -> float | None:
         age = obj.heartbeat_age(timezone.now())
         return None if age is None else round(age, 3)
 
+    @staticmethod
+    def resolve_gpu_warnings(obj: Worker) -> list[str]:
+        return [w["message"] for w in obj.gpu_warnings]
+
 
 class WorkerIn(Schema):
     url: str
     name: str = ""
+    dcgm_url: str = ""  # a DCGM exporter's metrics URL, e.g. http://gpu-1:9400/metrics
 
 
 class WorkerPatch(Schema):
     name: str | None = None
     weight: float | None = None
+    dcgm_url: str | None = None  # "" removes it
+    reset_gpu_count: bool = False
 
 
 class ServedModelOut(Schema):
     name: str
     policy: str
     policy_config: dict[str, Any]
+    max_inflight: int
     workers: list[int]
     updated_at: datetime
 
@@ -175,13 +190,16 @@ class ServedModelOut(Schema):
 
 
 class ServedModelPatch(Schema):
-    policy: str
+    policy: str | None = None
     policy_config: dict[str, Any] | None = None
+    # Requests in flight per router before new ones queue, then get 429; 0: no limit.
+    max_inflight: int | None = Field(default=None, ge=0, le=1_000_000)
 
 
 class RegisterIn(Schema):
     url: str
     name: str = ""
+    dcgm_url: str | None = None  # None: leave it as the operator set it
     # Bare names or vLLM /v1/models entries; absent means "ask the server itself".
     models: list[str | dict[str, Any]] | None = None
 
@@ -191,8 +209,26 @@ class RegisterOut(Schema):
     heartbeat_interval: int
 
 
+class GpuIn(Schema):
+    """One GPU as the agent reads it through NVML (see controlpanel.gpu for units)."""
+
+    index: int = Field(ge=0, lt=1024)
+    uuid: str | None = Field(default=None, max_length=gpu.MAX_TEXT)
+    name: str | None = Field(default=None, max_length=gpu.MAX_TEXT)
+    util: float | None = Field(default=None, ge=0, le=1)
+    mem_used: float | None = Field(default=None, ge=0)  # bytes
+    mem_total: float | None = Field(default=None, ge=0)
+    temp: float | None = Field(default=None, ge=0, le=250)
+    power: float | None = Field(default=None, ge=0)
+    power_limit: float | None = Field(default=None, ge=0)
+    ecc_errors: int | None = Field(default=None, ge=0)
+    xid: int | None = Field(default=None, ge=0)
+
+
 class HeartbeatIn(Schema):
     queue_length: int | None = None
+    # Absent when the agent has no GPU to report (no NVML); never a list of zeros.
+    gpus: list[GpuIn] | None = Field(default=None, max_length=gpu.MAX_GPUS)
 
 
 class HeartbeatOut(Schema):
@@ -211,7 +247,9 @@ def workers_list(request: HttpRequest) -> Any:
 
 @api.post("/workers", response={201: WorkerOut}, auth=ADMIN_AUTH, tags=["workers"])
 def workers_add(request: HttpRequest, payload: WorkerIn) -> Any:
-    worker = services.worker_add(url=payload.url, name=payload.name, actor=_actor(request))
+    worker = services.worker_add(
+        url=payload.url, name=payload.name, dcgm_url=payload.dcgm_url, actor=_actor(request)
+    )
     return 201, worker
 
 
@@ -235,7 +273,12 @@ def workers_activate(request: HttpRequest, worker_id: int) -> Any:
 @api.patch("/workers/{int:worker_id}", response=WorkerOut, auth=ADMIN_AUTH, tags=["workers"])
 def workers_update(request: HttpRequest, worker_id: int, payload: WorkerPatch) -> Any:
     return services.worker_update(
-        worker_id=worker_id, name=payload.name, weight=payload.weight, actor=_actor(request)
+        worker_id=worker_id,
+        name=payload.name,
+        weight=payload.weight,
+        dcgm_url=payload.dcgm_url,
+        reset_gpu_count=payload.reset_gpu_count,
+        actor=_actor(request),
     )
 
 
@@ -258,11 +301,20 @@ def models_get(request: HttpRequest, name: str) -> Any:
 
 @api.patch("/models/{path:name}", response=ServedModelOut, auth=ADMIN_AUTH, tags=["models"])
 def models_set_policy(request: HttpRequest, name: str, payload: ServedModelPatch) -> Any:
-    """Choose the balancing policy of one model (names: see GET /api/policies)."""
-    model = services.served_model_set_policy(
-        name=name, policy=payload.policy, policy_config=payload.policy_config,
-        actor=_actor(request),
-    )  # fmt: skip
+    """Choose the balancing policy of one model (names: see GET /api/policies) and/or its
+    in-flight limit (`max_inflight`, 0: none)."""
+    if payload.policy is None and payload.max_inflight is None:
+        raise HttpError(422, "send `policy` (with `policy_config`) and/or `max_inflight`")
+    model = ServedModel.objects.get(name=name)
+    if payload.policy is not None:
+        model = services.served_model_set_policy(
+            name=name, policy=payload.policy, policy_config=payload.policy_config,
+            actor=_actor(request),
+        )  # fmt: skip
+    if payload.max_inflight is not None:
+        model = services.served_model_set_limit(
+            name=name, max_inflight=payload.max_inflight, actor=_actor(request)
+        )
     return _with_workers([model])[0]
 
 
@@ -282,7 +334,9 @@ def workers_remove(request: HttpRequest, worker_id: int) -> Any:
 
 @api.post("/workers/register", response=RegisterOut, auth=AGENT_AUTH, tags=["agent"])
 def workers_register(request: HttpRequest, payload: RegisterIn) -> Any:
-    worker = services.worker_register(url=payload.url, models=payload.models, name=payload.name)
+    worker = services.worker_register(
+        url=payload.url, models=payload.models, name=payload.name, dcgm_url=payload.dcgm_url
+    )
     return {"id": worker.pk, "heartbeat_interval": settings.CONTROLPANEL_HEARTBEAT_INTERVAL}
 
 
@@ -292,7 +346,10 @@ def workers_register(request: HttpRequest, payload: RegisterIn) -> Any:
 def workers_heartbeat(request: HttpRequest, worker_id: int, payload: HeartbeatIn) -> Any:
     if payload.queue_length is not None and payload.queue_length < 0:
         raise HttpError(422, "queue_length cannot be negative")
-    worker = services.worker_heartbeat(worker_id=worker_id, queue_length=payload.queue_length)
+    gpus = None if payload.gpus is None else [g.model_dump() for g in payload.gpus]
+    worker = services.worker_heartbeat(
+        worker_id=worker_id, queue_length=payload.queue_length, gpus=gpus
+    )
     return {
         "id": worker.pk,
         "state": worker.state,
@@ -311,3 +368,14 @@ def workers_deregister(request: HttpRequest, worker_id: int) -> Any:
         "state": worker.state,
         "heartbeat_interval": settings.CONTROLPANEL_HEARTBEAT_INTERVAL,
     }
+
+
+# Aliases and rollouts live in their own module; imported last, since it uses this one.
+from controlpanel.api_rollouts import router as _rollouts_router  # noqa: E402
+
+api.add_router("", _rollouts_router)
+
+# Client keys and their usage, likewise.
+from controlpanel.api_keys import router as _keys_router  # noqa: E402
+
+api.add_router("", _keys_router)

@@ -34,8 +34,17 @@ def router_config() -> RouterConfig:
         connect_timeout=settings.ROUTER_CONNECT_TIMEOUT,
         read_timeout=settings.ROUTER_READ_TIMEOUT,
         max_body_bytes=settings.MAX_BODY_BYTES,
+        body_timeout=settings.ROUTER_BODY_TIMEOUT,
+        require_api_key=settings.CONTROLPANEL_REQUIRE_API_KEY,
         max_connections=settings.ROUTER_MAX_CONNECTIONS,
         max_connections_per_worker=settings.ROUTER_MAX_CONNECTIONS_PER_WORKER,
+        retries=settings.ROUTER_RETRIES,
+        retry_backoff=settings.ROUTER_RETRY_BACKOFF,
+        eject_after=settings.ROUTER_EJECT_AFTER,
+        eject_cooldown=settings.ROUTER_EJECT_COOLDOWN,
+        max_inflight_per_worker=settings.ROUTER_MAX_INFLIGHT_PER_WORKER,
+        queue_timeout=settings.ROUTER_QUEUE_TIMEOUT,
+        queue_max=settings.ROUTER_QUEUE_MAX,
     )
 
 

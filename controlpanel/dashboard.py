@@ -15,6 +15,7 @@ from django.db.models import QuerySet
 from django.template.loader import render_to_string
 from django.utils import timezone
 
+from controlpanel.gpu_dashboard import GpuCell, gpu_strip
 from controlpanel.models import RouterInstance, Worker, WorkerSample
 from controlpanel.services import ROUTER_LIVENESS
 
@@ -33,6 +34,7 @@ class Row:
     probe_at: float | None
     sparkline: str  # SVG polyline points of running + waiting over the last 15 minutes
     metrics: dict[str, Any] = field(default_factory=dict)
+    gpus: list[GpuCell] | None = None  # None: no GPU source reports fresh readings
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -43,6 +45,7 @@ class Row:
             self.routable,
             self.sparkline,
             self.metrics.get("error_rate"),
+            self.gpus is None,  # readings turn stale with no write to the row
         )
 
 
@@ -92,6 +95,7 @@ def _row(worker: Worker, routers: RouterView, samples: list[WorkerSample], now: 
         probe_at=worker.last_probe_at.timestamp() if worker.last_probe_at else None,
         sparkline=sparkline_points([_load(s) for s in samples]),
         metrics=metrics,
+        gpus=gpu_strip(worker, now),
     )
 
 

@@ -30,7 +30,7 @@ from django.core.cache import cache
 from django.db import DatabaseError, transaction
 from django.utils import timezone
 
-from controlpanel import probes, services
+from controlpanel import gpu, gpu_health, probes, services
 from controlpanel.models import (
     EventKind,
     RoutingGeneration,
@@ -92,9 +92,12 @@ def _apply_logged(result: probes.ProbeResult) -> bool:
 
 def probe_targets() -> list[probes.ProbeTarget]:
     every = settings.CONTROLPANEL_MODELS_EVERY
+    rows = Worker.objects.values_list("pk", "url", "scrape_state", "dcgm_url")
     return [
-        probes.ProbeTarget(worker_id=pk, url=url, read_models=_models_due(state, every))
-        for pk, url, state in Worker.objects.values_list("pk", "url", "scrape_state")
+        probes.ProbeTarget(
+            worker_id=pk, url=url, read_models=_models_due(state, every), dcgm_url=dcgm_url
+        )
+        for pk, url, state, dcgm_url in rows
     ]
 
 
@@ -117,9 +120,10 @@ def probe_result_apply(*, result: probes.ProbeResult) -> bool:
         _track_sleep(update, worker, reading.sleeping)
         since = _track_models(update, worker, result, previous.get("probes_since_models"))
         update.fields["scrape_state"] = {**reading.counters, "probes_since_models": since}
+        _track_gpus(update, worker, result)
         if not _write(worker, update, actor=PROBE_ACTOR):
             return False
-        _sample(worker, result, reading.metrics)
+        _sample(worker, result, reading.metrics, gpus=_sampled_gpus(worker, update))
     return True
 
 
@@ -196,6 +200,28 @@ def _models_message(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str
     return "; ".join(parts)
 
 
+def _track_gpus(update: _Update, worker: Worker, result: probes.ProbeResult) -> None:
+    """The DCGM exporter's readings, when the worker has one and it answered. One failed
+    scrape changes nothing: the readings turn unknown once they are stale."""
+    if not worker.dcgm_url:
+        return
+    readings = None if result.dcgm_text is None else gpu.parse_dcgm(result.dcgm_text)
+    if readings is None:
+        log.debug("no DCGM readings from %s: %s", worker.dcgm_url, result.dcgm_error)
+        return
+    at = datetime.fromtimestamp(result.at, tz=UTC)
+    change = gpu_health.gpu_change(worker, gpus=readings, source=gpu_health.DCGM, now=at)
+    update.fields.update(change.fields)
+    update.events += change.events
+
+
+def _sampled_gpus(worker: Worker, update: _Update) -> list[dict[str, Any]] | None:
+    """What the history keeps of the GPUs: this probe's readings, or the agent's while fresh."""
+    if "gpus" in update.fields:
+        return gpu_health.chart_points(update.fields["gpus"])
+    return gpu_health.chart_points(gpu_health.fresh_gpus(worker, timezone.now()))
+
+
 def _write(worker: Worker, update: _Update, *, actor: str) -> bool:
     """The conditional write: only if the state is still the one these changes were
     computed from. Then the events, and a generation bump if the router must see them."""
@@ -214,7 +240,13 @@ def _write(worker: Worker, update: _Update, *, actor: str) -> bool:
     return True
 
 
-def _sample(worker: Worker, result: probes.ProbeResult, metrics: dict[str, Any]) -> None:
+def _sample(
+    worker: Worker,
+    result: probes.ProbeResult,
+    metrics: dict[str, Any],
+    *,
+    gpus: list[dict[str, Any]] | None = None,
+) -> None:
     WorkerSample.objects.create(
         worker=worker,
         at=datetime.fromtimestamp(result.at, tz=UTC),
@@ -225,6 +257,7 @@ def _sample(worker: Worker, result: probes.ProbeResult, metrics: dict[str, Any])
         prefix_hit_rate=metrics["prefix_hit_rate"],
         ttft_p50=metrics["ttft_p50"],
         rps=metrics["rps"],
+        gpus=gpus,
     )
 
 

@@ -26,7 +26,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import close_old_connections
 
-from controlpanel import dashboard
+from controlpanel import dashboard, rollout_dashboard
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class LivePublisher:
         self.subscribers = 0
         self._sent_keys: dict[int, tuple[Any, ...]] = {}
         self._sent_totals = ""
+        self._sent_plans: dict[int, tuple[Any, ...]] = {}
         self._nudged = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -107,9 +108,23 @@ class LivePublisher:
     def changes(self) -> str | None:
         """The rows whose content changed since the last push, as one JSON message."""
         close_old_connections()
-        rows = dashboard.fleet_rows()
-        message = self._diff(rows)
+        message = self._diff(dashboard.fleet_rows()) or {}
+        plans = self._plans_diff()
+        if plans:
+            message["rollouts"] = plans
         return orjson.dumps(message).decode() if message else None
+
+    def _plans_diff(self) -> dict[str, dict[str, str]]:
+        """Rollout plans whose state, step or gate check moved, re-rendered."""
+        plans = rollout_dashboard.recent_plans()
+        keys = {plan.pk: rollout_dashboard.change_key(plan) for plan in plans}
+        changed = {
+            str(plan.pk): rollout_dashboard.fragments(plan)
+            for plan in plans
+            if self._sent_plans.get(plan.pk) != keys[plan.pk]
+        }
+        self._sent_plans = keys
+        return changed
 
     def _diff(self, rows: list[dashboard.Row]) -> dict[str, Any] | None:
         keys = {row.worker.pk: row.key for row in rows}
@@ -141,6 +156,10 @@ def full_message() -> str:
         "order": [row.worker.pk for row in rows],
         "totals": dashboard.render_totals(rows),
         "full": True,
+        "rollouts": {
+            str(plan.pk): rollout_dashboard.fragments(plan)
+            for plan in rollout_dashboard.recent_plans()
+        },
     }
     return orjson.dumps(message).decode()
 

@@ -63,6 +63,16 @@ class Worker(models.Model):
     last_probe_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True)
     sleeping = models.BooleanField(null=True, blank=True)  # vllm:engine_sleep_state; None: unknown
+    # GPU telemetry (controlpanel.gpu): the latest per-GPU readings from the agent's NVML or
+    # from the DCGM exporter at `dcgm_url`, in one shape whichever source sent them; an
+    # empty list with no source means nothing reports, which the dashboard calls "unknown".
+    dcgm_url = models.CharField(max_length=512, blank=True)
+    gpus = JSONField(default=list, blank=True)
+    gpus_source = models.CharField(max_length=8, blank=True)  # "nvml", "dcgm" or ""
+    gpus_at = models.DateTimeField(null=True, blank=True)
+    # The most GPUs this worker has reported: fewer later means one fell off the bus.
+    gpu_count_max = models.PositiveSmallIntegerField(null=True, blank=True)
+    gpu_warnings = JSONField(default=list, blank=True)  # in force now: [{"key", "message"}]
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     # As vLLM lists them in /v1/models: [{"id", "parent", "root", "max_model_len"}]; a LoRA
@@ -113,6 +123,8 @@ class ServedModel(models.Model):
     name = models.CharField(max_length=300, unique=True)
     policy = models.CharField(max_length=64, default="shortest_queue")
     policy_config = models.JSONField(default=dict, blank=True)
+    # Requests in flight for this model per router process (routing.admission); 0: no limit.
+    max_inflight = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -163,6 +175,9 @@ class RouterInstance(models.Model):
     generation = models.BigIntegerField(default=-1)
     # Requests and failures per worker over the router's last minute: {id: [requests, errors]}.
     recent = models.JSONField(default=dict, blank=True)
+    # Per model since the router started: {"requests", "errors", "ttft": [bucket counts]}
+    # (routing.metrics.RouterMetrics.model_totals), which rollout gates difference.
+    traffic = models.JSONField(default=dict, blank=True)
 
     @classmethod
     def live(cls, within: timedelta) -> models.QuerySet[RouterInstance]:
@@ -181,6 +196,7 @@ class WorkerSample(models.Model):
     prefix_hit_rate = models.FloatField(null=True)
     ttft_p50 = models.FloatField(null=True)
     rps = models.FloatField(null=True)
+    gpus = models.JSONField(null=True)  # per-GPU chart points: [{"index", "util", "mem", ...}]
 
     class Meta:
         ordering = ["at"]
@@ -201,6 +217,12 @@ class EventKind(models.TextChoices):
     WORKER_SLEEPING = "worker_sleeping"
     WORKER_AWAKE = "worker_awake"
     POLICY_CHANGED = "policy_changed"
+    WORKER_EJECTED = "worker_ejected"  # by a router, after failures on real traffic
+    WORKER_READMITTED = "worker_readmitted"
+    ALIAS_CHANGED = "alias_changed"
+    ROLLOUT = "rollout"  # every transition of a rollout plan; data holds from/to states
+    GPU_WARNING = "gpu_warning"
+    GPU_CLEARED = "gpu_cleared"
 
 
 class Event(models.Model):
@@ -230,3 +252,144 @@ class Event(models.Model):
             "message": self.message,
             "actor": self.actor,
         }
+
+
+class Alias(models.Model):
+    """A public model name that clients use, standing for weighted target model names."""
+
+    name = models.CharField(max_length=300, unique=True)
+    # {target model name: integer weight >= 0}; the router draws targets by weight.
+    targets = models.JSONField(default=dict)
+    description = models.CharField(max_length=500, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class RolloutState(models.TextChoices):
+    SCHEDULED = "scheduled"
+    RUNNING = "running"
+    PAUSED = "paused"
+    COMPLETED = "completed"
+    ROLLING_BACK = "rolling_back"
+    ROLLED_BACK = "rolled_back"
+    ABORTED = "aborted"
+
+
+ACTIVE_ROLLOUT_STATES = (RolloutState.RUNNING, RolloutState.PAUSED, RolloutState.ROLLING_BACK)
+
+
+class RolloutPlan(models.Model):
+    """A persisted, step-by-step shift of an alias's traffic from one target to another.
+
+    Every change of state goes through controlpanel.rollouts, which claims it with a
+    conditional UPDATE on (`state`, `version`), so two Celery workers never both act."""
+
+    alias = models.ForeignKey(Alias, on_delete=models.PROTECT, related_name="rollouts")
+    from_target = models.CharField(max_length=300)
+    to_target = models.CharField(max_length=300)
+    steps = models.JSONField()  # [{"weight": 5, "hold_seconds": 600}, ...], last weight 100
+    start_at = models.DateTimeField(null=True, blank=True)  # None: as soon as created
+    # Gates, checked while a step holds, over the step's own window of router metrics.
+    max_error_rate = models.FloatField(default=0.02)
+    max_ttft_p95_ratio = models.FloatField(default=1.5)
+    min_requests = models.PositiveIntegerField(default=50)
+    drain_old = models.BooleanField(default=False)
+    state = models.CharField(
+        max_length=16, choices=RolloutState.choices, default=RolloutState.SCHEDULED, db_index=True
+    )
+    version = models.PositiveIntegerField(default=0)  # bumped by every claimed transition
+    step_index = models.IntegerField(default=-1)  # -1: not started
+    step_started_at = models.DateTimeField(null=True, blank=True)
+    paused_remaining = models.FloatField(null=True, blank=True)  # hold seconds left at pause
+    # The routing generation that carried the step's weights, and each router's traffic
+    # totals from its first report routing with them: {instance id: {model: totals}}. The
+    # step's window counts only what came after, router by router.
+    step_generation = models.BigIntegerField(null=True, blank=True)
+    step_baseline = models.JSONField(default=dict, blank=True)
+    # The alias's weights before the plan, which a rollback restores.
+    original_targets = models.JSONField(default=dict, blank=True)
+    # The old target's last measured p95 TTFT, for gates once it gets no traffic (100%).
+    reference_ttft_p95 = models.FloatField(null=True, blank=True)
+    # One entry per finished step: weights, observed requests, errors and p95 per target.
+    history = models.JSONField(default=list, blank=True)
+    last_check = models.JSONField(default=dict, blank=True)  # the latest gate evaluation
+    reason = models.TextField(blank=True)  # why the plan is where it is, in words
+    rollback_generation = models.BigIntegerField(null=True, blank=True)
+    created_by = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"rollout #{self.pk} {self.alias.name}: {self.from_target} -> {self.to_target}"
+
+    @property
+    def current_step(self) -> dict[str, Any] | None:
+        if 0 <= self.step_index < len(self.steps):
+            step: dict[str, Any] = self.steps[self.step_index]
+            return step
+        return None
+
+    def hold_left(self, now: datetime | None = None) -> float | None:
+        """Seconds left in the current step's hold (None when no step is holding)."""
+        if self.state == RolloutState.PAUSED:
+            return self.paused_remaining
+        step = self.current_step
+        if self.state != RolloutState.RUNNING or step is None or self.step_started_at is None:
+            return None
+        elapsed = ((now or timezone.now()) - self.step_started_at).total_seconds()
+        return max(0.0, float(step["hold_seconds"]) - elapsed)
+
+
+class ApiKey(models.Model):
+    """A client's key for the router (routing.auth). The key itself is shown once, at
+    creation; only its SHA-256 is kept, and `prefix`, its public start, names it to people."""
+
+    name = models.CharField(max_length=200)
+    prefix = models.CharField(max_length=16, unique=True)
+    key_hash = models.CharField(max_length=64)  # hex SHA-256 of the whole key
+    # Model or alias names this key may use, as the client names them; empty: every model.
+    allowed_models = models.JSONField(default=list, blank=True)
+    rpm = models.PositiveIntegerField(null=True, blank=True)  # requests per minute
+    tpm = models.PositiveIntegerField(null=True, blank=True)  # tokens per minute
+    created_by = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    # Revoked keys stay, so their usage keeps its name; the router no longer knows them.
+    revoked_at = models.DateTimeField(null=True, blank=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}…)"
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+
+class KeyUsage(models.Model):
+    """Requests and tokens of one key on one model (or alias) in one UTC day, as the
+    routers counted them from the workers' `usage`."""
+
+    api_key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="usage")
+    model = models.CharField(max_length=300)
+    day = models.DateField()
+    requests = models.BigIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-day", "api_key", "model"]
+        constraints = [
+            models.UniqueConstraint(fields=["api_key", "model", "day"], name="one_usage_row")
+        ]

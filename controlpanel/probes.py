@@ -60,9 +60,10 @@ METRIC_KEYS = (
 COUNTER_KEYS = ("at", "prefix_queries", "prefix_hits", "requests", "ttft_buckets")
 
 # Workers probed at the same moment; more wait for a free slot, so a huge fleet cannot use
-# up the process's file descriptors. Each probed worker holds up to three connections.
+# up the process's file descriptors. Each probed worker holds up to four connections
+# (/health, /metrics, /v1/models and its DCGM exporter).
 MAX_CONCURRENT_WORKERS = 128
-REQUESTS_PER_WORKER = 3
+REQUESTS_PER_WORKER = 4
 
 
 # --- parsing (pure) --------------------------------------------------------------------------
@@ -290,6 +291,7 @@ class ProbeTarget:
     worker_id: int
     url: str
     read_models: bool  # /v1/models is read every CONTROLPANEL_MODELS_EVERY probes
+    dcgm_url: str = ""  # the worker's DCGM exporter, scraped with the rest when set
 
 
 @dataclass(frozen=True)
@@ -302,6 +304,8 @@ class ProbeResult:
     models_read: bool  # /v1/models was asked for
     models_payload: Any = None  # its JSON when it answered 200
     models_error: str = ""
+    dcgm_text: str | None = None  # the DCGM exporter's text (None: none set, or unreadable)
+    dcgm_error: str = ""
 
 
 def probe_many(targets: list[ProbeTarget], *, timeout: float) -> list[ProbeResult]:
@@ -353,9 +357,12 @@ async def probe_one(
     ]
     if target.read_models:
         requests.append(_get(client, f"{target.url}/v1/models", timeout))
+    if target.dcgm_url:
+        requests.append(_get(client, target.dcgm_url, timeout))
     answers = await asyncio.gather(*requests)
     health, metrics = answers[0], answers[1]
     models = answers[2] if target.read_models else None
+    dcgm = answers[-1] if target.dcgm_url else None
     return ProbeResult(
         worker_id=target.worker_id,
         at=at,
@@ -365,6 +372,8 @@ async def probe_one(
         models_read=target.read_models,
         models_payload=_json_or_none(models),
         models_error=_answer_error(models, "/v1/models") if models is not None else "",
+        dcgm_text=dcgm.text if dcgm is not None and dcgm.status == 200 else None,
+        dcgm_error=_answer_error(dcgm, "the DCGM exporter") if dcgm is not None else "",
     )
 
 

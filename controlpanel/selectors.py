@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
 from datetime import UTC, datetime
 from functools import wraps
 from types import MappingProxyType
@@ -12,9 +13,18 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from controlpanel import health, services
+from controlpanel import gpu_health, health, keys, services
 from controlpanel.models import RoutingGeneration, ServedModel, Worker, WorkerSource
-from routing.snapshot import ModelEntry, ServedModelInfo, Snapshot, WorkerView, build_snapshot
+from controlpanel.rollouts import aliases_as_routes
+from routing.snapshot import (
+    GpuView,
+    ModelEntry,
+    ServedModelInfo,
+    Snapshot,
+    WorkerView,
+    build_snapshot,
+)
+from routing.usage import UsageBatch
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -40,7 +50,18 @@ def worker_view(worker: Worker, *, now: datetime) -> WorkerView:
         prefix_hit_rate=metrics.get("prefix_hit_rate"),
         metrics_age=(now - worker.last_probe_at).total_seconds() if worker.last_probe_at else None,
         metrics=MappingProxyType(dict(metrics)),
+        gpus=_gpu_views(worker, now=now),
     )
+
+
+_GPU_FIELDS = frozenset(f.name for f in fields(GpuView))
+
+
+def _gpu_views(worker: Worker, *, now: datetime) -> tuple[GpuView, ...]:
+    # Known keys only: a stored reading must never break the router's snapshot.
+    readings = gpu_health.fresh_gpus(worker, now) or []
+    known = [{k: v for k, v in g.items() if k in _GPU_FIELDS} for g in readings]
+    return tuple(GpuView(**g) for g in known if "index" in g)
 
 
 def _model_entry(raw: dict[str, Any]) -> ModelEntry:
@@ -65,17 +86,25 @@ def workers_by_model() -> dict[str, list[int]]:
 def routing_snapshot_build() -> Snapshot:
     generation = RoutingGeneration.current()
     now = timezone.now()
-    workers = [worker_view(w, now=now) for w in Worker.objects.all()]
+    rows = list(Worker.objects.all())
+    workers = [worker_view(w, now=now) for w in rows]
     served = [
-        ServedModelInfo(name=m.name, policy=m.policy, policy_config=m.policy_config)
+        ServedModelInfo(
+            name=m.name,
+            policy=m.policy,
+            policy_config=m.policy_config,
+            max_inflight=m.max_inflight,
+        )
         for m in ServedModel.objects.all()
     ]
     return build_snapshot(
         workers=workers,
         served_models=served,
+        aliases=aliases_as_routes(),
+        api_keys=keys.client_keys(),
         generation=generation,
         now=now.timestamp(),
-        valid_until=_first_heartbeat_deadline(workers),
+        valid_until=min(_first_heartbeat_deadline(workers), _first_gpu_deadline(rows, now)),
     )
 
 
@@ -87,6 +116,16 @@ def _first_heartbeat_deadline(workers: list[WorkerView]) -> float:
         if w.routable and w.source == WorkerSource.AGENT and w.last_heartbeat is not None
     ]
     return min(deadlines, default=float("inf"))
+
+
+def _first_gpu_deadline(workers: list[Worker], now: datetime) -> float:
+    """When the first fresh GPU readings turn stale, so /metrics stops exporting them then
+    even if nothing is written (the agent and Celery both gone)."""
+    stale_after = gpu_health.stale_after()
+    deadlines = [
+        w.gpus_at.timestamp() + stale_after for w in workers if w.gpus_source and w.gpus_at
+    ]
+    return min((d for d in deadlines if d > now.timestamp()), default=float("inf"))
 
 
 def _fresh_connection(func: Callable[P, T]) -> Callable[P, T]:
@@ -128,7 +167,10 @@ class DatabaseSnapshotSource:
         inflight: dict[int, int],
         failures: dict[int, tuple[int, str]],
         recent: dict[int, tuple[int, int]],
+        traffic: dict[str, dict[str, Any]],
+        ejections: list[tuple[int, str, str]],
     ) -> bool:
+        services.router_ejections(ejections)
         for worker_id, (count, cause) in failures.items():
             health.worker_passive_failures(worker_id=worker_id, failures=count, cause=cause)
         return services.router_report(
@@ -139,7 +181,12 @@ class DatabaseSnapshotSource:
             generation=generation,
             inflight=inflight,
             recent=recent,
+            traffic=traffic,
         )
+
+    @_fresh_connection
+    def record_usage(self, *, usage: UsageBatch) -> None:
+        keys.usage_record(usage=usage)
 
     @_fresh_connection
     def forget(self, *, instance_id: str) -> None:

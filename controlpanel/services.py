@@ -18,6 +18,7 @@ from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.utils import timezone
 
+from controlpanel import gpu, gpu_health
 from controlpanel.models import (
     Event,
     EventKind,
@@ -166,9 +167,10 @@ def served_models_ensure(entries: list[dict[str, Any]]) -> None:
         ServedModel.objects.get_or_create(name=entry["id"])
 
 
-def worker_add(*, url: str, name: str = "", actor: str) -> Worker:
+def worker_add(*, url: str, name: str = "", dcgm_url: str = "", actor: str) -> Worker:
     """An operator adds a server by URL; its models are discovered, never typed in."""
     normalized = _normalized(url)
+    dcgm_url = _dcgm_url(dcgm_url)
     if Worker.objects.filter(url=normalized).exists():
         raise WorkerAlreadyExists(f"a worker with URL {normalized} is already registered")
     entries = discover_models(url=normalized)
@@ -178,6 +180,7 @@ def worker_add(*, url: str, name: str = "", actor: str) -> Worker:
             name=name or _default_name(normalized),
             source=WorkerSource.OPERATOR,
             models=entries,
+            dcgm_url=dcgm_url,
         )
         served_models_ensure(entries)
         event_record(
@@ -191,11 +194,18 @@ def worker_add(*, url: str, name: str = "", actor: str) -> Worker:
 
 
 def worker_register(
-    *, url: str, models: list[Any] | None = None, name: str = "", actor: str = "agent"
+    *,
+    url: str,
+    models: list[Any] | None = None,
+    name: str = "",
+    dcgm_url: str | None = None,
+    actor: str = "agent",
 ) -> Worker:
     """Idempotent by URL: an agent calls it at start and again whenever the controller has
-    forgotten it, and each call leaves one up-to-date row."""
+    forgotten it, and each call leaves one up-to-date row. `dcgm_url` None leaves the
+    worker's DCGM exporter as it was (an operator may have set it)."""
     normalized = _normalized(url)
+    exporter = None if dcgm_url is None else _dcgm_url(dcgm_url)
     entries = models_from_agent(models) if models else discover_models(url=normalized)
     now = timezone.now()
     with transaction.atomic():
@@ -206,6 +216,7 @@ def worker_register(
                 "source": WorkerSource.AGENT,
                 "models": entries,
                 "last_heartbeat": now,
+                "dcgm_url": exporter or "",
             },
         )
         if created:
@@ -216,6 +227,8 @@ def worker_register(
                 actor=actor,
             )
         else:
+            if exporter is not None and exporter != worker.dcgm_url:
+                _dcgm_url_set(worker, exporter)
             _reregister(worker, entries=entries, name=name, now=now, actor=actor)
         served_models_ensure(entries)
         RoutingGeneration.bump()
@@ -249,8 +262,11 @@ def _reregister(
     worker.save()
 
 
-def worker_heartbeat(*, worker_id: int, queue_length: int | None = None) -> Worker:
-    """Raises Worker.DoesNotExist for an unknown id, which tells the agent to register."""
+def worker_heartbeat(
+    *, worker_id: int, queue_length: int | None = None, gpus: list[Any] | None = None
+) -> Worker:
+    """Raises Worker.DoesNotExist for an unknown id, which tells the agent to register.
+    `gpus` are the agent's NVML readings (None: the agent has no GPU to report)."""
     with transaction.atomic():
         worker = Worker.objects.select_for_update().get(pk=worker_id)
         worker.last_heartbeat = timezone.now()
@@ -258,6 +274,8 @@ def worker_heartbeat(*, worker_id: int, queue_length: int | None = None) -> Work
         if queue_length is not None:
             worker.queue_length = queue_length
             fields.append("queue_length")
+        if gpus is not None:
+            fields += _record_nvml(worker, gpus, now=worker.last_heartbeat)
         if worker.state == WorkerState.OFFLINE:
             worker.state = WorkerState.ACTIVE
             fields.append("state")
@@ -395,6 +413,7 @@ def router_report(
     generation: int,
     inflight: dict[int, int],
     recent: dict[int, tuple[int, int]] | None = None,
+    traffic: dict[str, dict[str, Any]] | None = None,
 ) -> bool:
     """A router says it is alive and what it has in flight; drains may then finish.
 
@@ -410,6 +429,7 @@ def router_report(
             "inflight": {str(k): v for k, v in inflight.items() if v},
             "generation": generation,
             "recent": {str(k): list(v) for k, v in (recent or {}).items() if v[0]},
+            "traffic": traffic or {},
         },
     )
     RouterInstance.objects.filter(last_seen__lt=timezone.now() - ROUTER_LIVENESS * 20).delete()
@@ -421,6 +441,16 @@ def router_report(
         .first()
     )
     return oldest == instance_id
+
+
+def router_ejections(ejections: list[tuple[int, str, str]]) -> None:
+    """A router took a failing worker out of its rotation, or put it back after a probe."""
+    kinds = {"ejected": EventKind.WORKER_EJECTED, "readmitted": EventKind.WORKER_READMITTED}
+    workers = Worker.objects.in_bulk([worker_id for worker_id, _, _ in ejections])
+    for worker_id, kind, message in ejections:
+        worker = workers.get(worker_id)
+        if worker is not None and kind in kinds:
+            event_record(kind=kinds[kind], worker=worker, message=message, actor="router")
 
 
 def router_forget(*, instance_id: str) -> None:
@@ -459,18 +489,87 @@ def served_model_set_policy(
     return model
 
 
-def worker_update(*, worker_id: int, name: str | None, weight: float | None, actor: str) -> Worker:
+def served_model_set_limit(*, name: str, max_inflight: int, actor: str) -> ServedModel:
+    """Cap the requests in flight for one model per router (0: no cap); beyond it requests
+    wait in a bounded queue, then get 429 (routing.admission)."""
+    with transaction.atomic():
+        model = ServedModel.objects.select_for_update().get(name=name)
+        model.max_inflight = max_inflight
+        model.save(update_fields=["max_inflight", "updated_at"])
+        limit = f"at most {max_inflight} in flight per router" if max_inflight else "no limit"
+        event_record(
+            kind=EventKind.POLICY_CHANGED,
+            worker=None,
+            message=f"{name}: {limit}",
+            actor=actor,
+            data={"model": name, "max_inflight": max_inflight},
+        )
+        RoutingGeneration.bump()
+    return model
+
+
+def worker_update(
+    *,
+    worker_id: int,
+    name: str | None,
+    weight: float | None,
+    actor: str,
+    dcgm_url: str | None = None,
+    reset_gpu_count: bool = False,
+) -> Worker:
+    """`dcgm_url` "" removes the exporter; `reset_gpu_count` accepts the GPU count the
+    worker reports now (after a GPU was removed on purpose), ending a "fewer GPUs" warning."""
     if weight is not None and weight < 0:
         raise InvalidWeight("weight cannot be negative")
+    exporter = None if dcgm_url is None else _dcgm_url(dcgm_url)
     with transaction.atomic():
         worker = Worker.objects.select_for_update().get(pk=worker_id)
         if name:
             worker.name = name
         if weight is not None:
             worker.weight = weight
-        worker.save(update_fields=["name", "weight", "updated_at"])
+        fields = ["name", "weight", "updated_at"]
+        if exporter is not None and exporter != worker.dcgm_url:
+            fields += _dcgm_url_set(worker, exporter)
+        if reset_gpu_count:
+            worker.gpu_count_max = len(worker.gpus) if worker.gpus_source else None
+            worker.gpu_warnings = [w for w in worker.gpu_warnings if w["key"] != "count"]
+            fields += ["gpu_count_max", "gpu_warnings"]
+        worker.save(update_fields=fields)
         RoutingGeneration.bump()
     return worker
+
+
+# --- GPU telemetry (controlpanel.gpu, controlpanel.gpu_health) ------------------------------
+
+
+def _dcgm_url(url: str) -> str:
+    try:
+        return gpu.normalize_dcgm_url(url)
+    except ValueError as exc:
+        raise InvalidWorkerURL(str(exc)) from exc
+
+
+def _dcgm_url_set(worker: Worker, url: str) -> list[str]:
+    """A new exporter may see other GPUs: start from "unknown" rather than compare them.
+    Returns the fields changed."""
+    worker.dcgm_url = url
+    forget = gpu_health.gpu_forget()
+    for name, value in forget.items():
+        setattr(worker, name, value)
+    return ["dcgm_url", *forget]
+
+
+def _record_nvml(worker: Worker, raw: list[Any], *, now: datetime) -> list[str]:
+    """Apply the agent's NVML readings (unless the worker's DCGM exporter has fresh ones);
+    returns the fields changed."""
+    readings = gpu.clean_gpus(raw) or []
+    change = gpu_health.gpu_change(worker, gpus=readings, source=gpu_health.NVML, now=now)
+    for name, value in change.fields.items():
+        setattr(worker, name, value)
+    for kind, message in change.events:
+        event_record(kind=kind, worker=worker, message=message, actor="agent")
+    return list(change.fields)
 
 
 # --- accounts ------------------------------------------------------------------------------

@@ -39,6 +39,17 @@ SECRET_KEY = _secret_key()
 DEBUG = env_bool("DJANGO_DEBUG", False)
 ALLOWED_HOSTS = [h.strip() for h in env_str("CONTROLPANEL_ALLOWED_HOSTS", "*").split(",") if h]
 CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("CONTROLPANEL_CSRF_ORIGINS").split(",") if o]
+# Cookies: never readable by page scripts (the session) and never sent by other sites'
+# forms; over HTTPS only when the dashboard is served over HTTPS (CONTROLPANEL_HTTPS=1,
+# also when TLS ends at a proxy in front). The CSRF cookie stays readable: live.js puts
+# it into forms that were rendered before a login rotated it.
+CONTROLPANEL_HTTPS = env_bool("CONTROLPANEL_HTTPS", False)
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+CSRF_COOKIE_SAMESITE = "Lax"
+SESSION_COOKIE_SECURE = CONTROLPANEL_HTTPS
+CSRF_COOKIE_SECURE = CONTROLPANEL_HTTPS
+SESSION_COOKIE_AGE = env_int("CONTROLPANEL_SESSION_HOURS", 12, minimum=1) * 3600
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -159,6 +170,10 @@ CONTROLPANEL_HEARTBEAT_EXPIRY = env_int("CONTROLPANEL_HEARTBEAT_EXPIRY", 90, min
 # Agents beat three times per expiry window, so one lost beat never expires a worker.
 CONTROLPANEL_HEARTBEAT_INTERVAL = max(1, CONTROLPANEL_HEARTBEAT_EXPIRY // 3)
 CONTROLPANEL_DISCOVERY_TIMEOUT = env_float("CONTROLPANEL_DISCOVERY_TIMEOUT", 5.0, minimum=0.1)
+# Client API keys on the router (routing.auth): off by default, so a first run just works.
+CONTROLPANEL_REQUIRE_API_KEY = env_bool("CONTROLPANEL_REQUIRE_API_KEY", False)
+# One JSON line per proxied request on the `routing.access` logger (routing.access_log).
+CONTROLPANEL_ACCESS_LOG = env_bool("CONTROLPANEL_ACCESS_LOG", True)
 
 # --- The router (data plane) ---------------------------------------------------------
 ROUTER_CONNECT_TIMEOUT = env_float("CONTROLPANEL_UPSTREAM_CONNECT_TIMEOUT", 5.0, minimum=0.1)
@@ -169,15 +184,45 @@ ROUTER_MAX_CONNECTIONS = env_int("CONTROLPANEL_UPSTREAM_MAX_CONNECTIONS", 2048, 
 ROUTER_MAX_CONNECTIONS_PER_WORKER = env_int(
     "CONTROLPANEL_UPSTREAM_MAX_CONNECTIONS_PER_WORKER", 512, minimum=1
 )
+# Failures before the first byte (refused, reset, connect timeout, 429/502/503) are tried
+# on another worker this many times, with a jittered backoff from this many seconds.
+ROUTER_RETRIES = env_int("CONTROLPANEL_RETRIES", 2, minimum=0)
+ROUTER_RETRY_BACKOFF = env_float("CONTROLPANEL_RETRY_BACKOFF", 0.025, minimum=0.0)
+# Outlier ejection (routing.ejection): consecutive failures on real traffic that take a
+# worker out of a router's rotation (0: off), and the first cool-down, doubled on repeats.
+ROUTER_EJECT_AFTER = env_int("CONTROLPANEL_EJECT_AFTER", 5, minimum=0)
+ROUTER_EJECT_COOLDOWN = env_float("CONTROLPANEL_EJECT_COOLDOWN", 5.0, minimum=0.1)
+# Admission control (routing.admission), per router process: requests in flight per worker
+# (0: no limit; per model: PATCH /api/models/{name} max_inflight), then a bounded FIFO wait.
+ROUTER_MAX_INFLIGHT_PER_WORKER = env_int("CONTROLPANEL_MAX_INFLIGHT_PER_WORKER", 0, minimum=0)
+ROUTER_QUEUE_TIMEOUT = env_float("CONTROLPANEL_QUEUE_TIMEOUT", 10.0, minimum=0.0)
+ROUTER_QUEUE_MAX = env_int("CONTROLPANEL_QUEUE_MAX", 1000, minimum=0)
+# On SIGTERM the router stops accepting and gives open requests (streams) this long.
+ROUTER_SHUTDOWN_GRACE = env_int("CONTROLPANEL_SHUTDOWN_GRACE", 30, minimum=0)
+ROUTER_BODY_TIMEOUT = env_float("CONTROLPANEL_BODY_TIMEOUT", 30.0, minimum=0.1)
 ROUTER_SNAPSHOT_POLL_SECONDS = env_float("CONTROLPANEL_SNAPSHOT_POLL", 0.25, minimum=0.01)
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
+        "message": {"format": "%(message)s"},  # the access log's lines are JSON already
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "plain"},
+        "access": {"class": "logging.StreamHandler", "formatter": "message"},
+    },
     "root": {"handlers": ["console"], "level": env_str("CONTROLPANEL_LOG_LEVEL", "INFO")},
-    "loggers": {"httpx": {"level": "WARNING"}, "django.db.backends": {"level": "WARNING"}},
+    "loggers": {
+        "httpx": {"level": "WARNING"},
+        "django.db.backends": {"level": "WARNING"},
+        "routing.access": {
+            "handlers": ["access"],
+            "level": "INFO" if CONTROLPANEL_ACCESS_LOG else "WARNING",
+            "propagate": False,
+        },
+    },
 }
 
 CONTROLPANEL_HOUSEKEEPING_SECONDS = env_float("CONTROLPANEL_HOUSEKEEPING_SECONDS", 5.0, minimum=0.5)
@@ -199,6 +244,20 @@ CONTROLPANEL_UNHEALTHY_AFTER = env_int("CONTROLPANEL_UNHEALTHY_AFTER", 3, minimu
 CONTROLPANEL_HEALTHY_AFTER = env_int("CONTROLPANEL_HEALTHY_AFTER", 2, minimum=1)
 CONTROLPANEL_MODELS_EVERY = env_int("CONTROLPANEL_MODELS_EVERY", 6, minimum=1)
 CONTROLPANEL_HISTORY_MINUTES = env_int("CONTROLPANEL_HISTORY_MINUTES", 30, minimum=15)
+# GPU warnings (controlpanel.gpu_health). vLLM reserves about 90% of GPU memory up front
+# (--gpu-memory-utilization), so only a GPU that is nearly full is worth a warning.
+CONTROLPANEL_GPU_TEMP_WARN_C = env_float("CONTROLPANEL_GPU_TEMP_WARN_C", 85.0, minimum=0)
+CONTROLPANEL_GPU_MEMORY_WARN_PERCENT = env_float(
+    "CONTROLPANEL_GPU_MEMORY_WARN_PERCENT", 98.0, minimum=0
+)
+# Rollout plans: how often gates are checked and steps moved; a failing gate rolls back
+# within one such interval.
+CONTROLPANEL_ROLLOUT_TICK_SECONDS = env_float("CONTROLPANEL_ROLLOUT_TICK_SECONDS", 5.0, minimum=0.2)
+CELERY_BEAT_SCHEDULE["rollouts-tick"] = {
+    "task": "controlpanel.rollouts_tick",
+    "schedule": CONTROLPANEL_ROLLOUT_TICK_SECONDS,
+    "options": {"expires": CONTROLPANEL_ROLLOUT_TICK_SECONDS},
+}
 CELERY_BEAT_SCHEDULE["probe-workers"] = {
     "task": "controlpanel.probe_workers",
     "schedule": CONTROLPANEL_PROBE_INTERVAL,

@@ -2,7 +2,7 @@
 
 from celery import shared_task
 
-from controlpanel import health, services
+from controlpanel import health, rollouts, services
 
 
 @shared_task(name="controlpanel.expire_heartbeats", ignore_result=True)
@@ -18,3 +18,8 @@ def finish_drains() -> int:
 @shared_task(name="controlpanel.probe_workers", ignore_result=True)
 def probe_workers() -> int:
     return health.workers_probe()
+
+
+@shared_task(name="controlpanel.rollouts_tick", ignore_result=True)
+def rollouts_tick() -> int:
+    return rollouts.rollouts_tick()

@@ -12,7 +12,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from controlpanel import dashboard, services
+from controlpanel import dashboard, gpu_dashboard, services
 from controlpanel.models import Event, EventKind, ServedModel, Worker
 from routing.policies import POLICIES
 
@@ -47,6 +47,7 @@ def worker_detail(request: HttpRequest, worker_id: int) -> HttpResponse:
         "worker": worker,
         "row": dashboard.fleet_rows(Worker.objects.filter(pk=worker_id))[0],
         "charts": charts,
+        "gpu_charts": gpu_dashboard.gpu_charts(worker),
         "events": Event.objects.filter(worker=worker).select_related("worker")[:30],
     }
     return render(request, "controlpanel/worker.html", context)
@@ -125,14 +126,34 @@ def events_page(request: HttpRequest) -> HttpResponse:
 @require_POST
 def worker_add(request: HttpRequest) -> HttpResponse:
     url, name = request.POST.get("url", ""), request.POST.get("name", "").strip()
+    dcgm_url = request.POST.get("dcgm_url", "")
     try:
-        worker = services.worker_add(url=url, name=name, actor=_actor(request))
+        worker = services.worker_add(url=url, name=name, dcgm_url=dcgm_url, actor=_actor(request))
     except services.ServiceError as exc:
         messages.error(request, f"Could not add {url}: {exc}")
     else:
         found = ", ".join(worker.model_ids)
         messages.success(request, f"Added {worker.name}, serving {found}.")
     return redirect("fleet")
+
+
+@staff_member_required
+@require_POST
+def worker_gpu_source(request: HttpRequest, worker_id: int) -> HttpResponse:
+    """Set or clear the worker's DCGM exporter; or accept the GPU count it reports now."""
+    worker = get_object_or_404(Worker, pk=worker_id)
+    reset = request.POST.get("reset_gpu_count") == "1"
+    dcgm_url = None if reset else request.POST.get("dcgm_url", "")
+    try:
+        services.worker_update(
+            worker_id=worker.pk, name=None, weight=None, dcgm_url=dcgm_url,
+            reset_gpu_count=reset, actor=_actor(request),
+        )  # fmt: skip
+    except services.ServiceError as exc:
+        messages.error(request, f"GPU source not changed: {exc}")
+    else:
+        messages.success(request, "GPU count accepted." if reset else "GPU source saved.")
+    return redirect("worker", worker_id=worker.pk)
 
 
 def _worker_action(request: HttpRequest, worker_id: int, action: str) -> HttpResponse:

@@ -12,6 +12,14 @@ Router metrics: this process's own traffic on the model routes (/v1/chat/complet
   last byte, for every request that was forwarded to a worker.
 * `controlpanel_router_ttft_seconds{model}` (histogram): request start to the first body
   byte relayed from the worker, for forwarded requests answered with a status below 400.
+* `controlpanel_router_alias_requests_total{alias, target}`: requests that named an alias,
+  by the target model the router chose for them (routing.aliases).
+* `controlpanel_router_retries_total{reason}`: attempts moved to another worker before any
+  byte reached the client (`connect`, `reset`, `connect_timeout`, `status_429|502|503`).
+* `controlpanel_router_worker_ejected{worker}` (gauge) and
+  `controlpanel_router_ejections_total{worker}`: outlier ejection (routing.ejection).
+* `controlpanel_router_queued{model}` (gauge) and
+  `controlpanel_router_admission_rejected_total{model}`: admission control (routing.admission).
 * `controlpanel_router_inflight{worker}` (gauge): requests this process has on each worker.
 * `controlpanel_router_upstream_errors_total{worker, kind}`: `connect` (refused, no route,
   DNS), `reset` (the connection failed after it was made, before the response head),
@@ -27,6 +35,8 @@ Worker metrics: the fleet as the snapshot sees it, one series per worker:
   (running, waiting, kv_cache_usage, prefix_hit_rate, ttft_p50_seconds, ttft_p95_seconds,
   rps, ...; ttft values are taken to be in seconds, as vLLM's histograms are). An unknown
   value (None) has no sample at all: never a made-up zero.
+
+* `controlpanel_gpu_*{worker, gpu}`: each worker's GPUs (routing.gpu_metrics).
 
 The `worker` label is the worker's name (`name#id` while two workers share a name); a
 worker's counters keep its last known name after it leaves the fleet.
@@ -49,7 +59,7 @@ import re
 from bisect import bisect_left
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import generate_latest
 from prometheus_client.core import (
@@ -60,6 +70,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from routing.gpu_metrics import gpu_families
 from routing.snapshot import WorkerView
 
 if TYPE_CHECKING:
@@ -72,6 +83,9 @@ CLIENT_CLOSED = 499
 # LLM traffic: a cached embedding answers in milliseconds, a long generation takes minutes.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 DURATION_BUCKETS = (*TTFT_BUCKETS, 120.0, 300.0)
+# Finer, for rollout gates that compare two versions' p95: each bucket 25% wider than the
+# last, from 1 ms to about 2 min, so an interpolated quantile is off by a few % at most.
+GATE_TTFT_BUCKETS = tuple(round(0.001 * 1.25**i, 6) for i in range(53))
 
 WORKER_STATES = ("active", "draining", "drained", "unhealthy", "offline")
 UPSTREAM_ERROR_KINDS = ("connect", "reset", "timeout", "broken_stream", "upstream_5xx")
@@ -138,6 +152,9 @@ class RouterMetrics:
         self.duration: dict[str, PlainHistogram] = {}
         self.ttft: dict[str, PlainHistogram] = {}
         self.worker_names: dict[int, str] = {}
+        self.alias_requests: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self.retries: defaultdict[str, int] = defaultdict(int)
+        self.gate_ttft: dict[str, PlainHistogram] = {}
 
     def finish(self, trace: RequestTrace, ended: float) -> None:
         status = trace.status or CLIENT_CLOSED
@@ -153,7 +170,9 @@ class RouterMetrics:
             ttft = self.ttft.get(model)
             if ttft is None:
                 ttft = self.ttft[model] = PlainHistogram(TTFT_BUCKETS)
+                self.gate_ttft[model] = PlainHistogram(GATE_TTFT_BUCKETS)
             ttft.observe(trace.first_byte - trace.started)
+            self.gate_ttft[model].observe(trace.first_byte - trace.started)
 
     def worker_totals(self) -> dict[int, tuple[int, int]]:
         """Requests and failed requests (5xx, router-made 502/504 included) per worker, since
@@ -167,6 +186,27 @@ class RouterMetrics:
             if status >= 500:
                 pair[1] += count
         return {worker_id: (pair[0], pair[1]) for worker_id, pair in totals.items()}
+
+    def model_totals(self) -> dict[str, dict[str, Any]]:
+        """Per served model since this process started: requests, failed requests (5xx) and
+        the fine TTFT bucket counts, which the control plane's rollout gates difference over
+        a step's window (controlpanel.gates)."""
+        counts: dict[str, list[int]] = {}
+        for (model, _, status), count in self.requests.items():
+            if model:
+                pair = counts.setdefault(model, [0, 0])
+                pair[0] += count
+                if status >= 500:
+                    pair[1] += count
+        empty = PlainHistogram(())
+        return {
+            model: {
+                "requests": requests,
+                "errors": errors,
+                "ttft": list(self.gate_ttft.get(model, empty).counts),
+            }
+            for model, (requests, errors) in counts.items()
+        }
 
     def upstream_error(self, worker_id: int, kind: str) -> None:
         self.upstream_errors[worker_id, kind] += 1
@@ -198,6 +238,10 @@ class RouterCollector(Collector):
         yield from router_families(app.metrics, app.inflight, app.snapshot.workers)
         yield policy_info_family(app.route_policies())
         yield policy_decisions_family(app.route_policies())
+        yield alias_requests_family(app.metrics)
+        yield retries_family(app.metrics)
+        yield from ejection_families(app)
+        yield from admission_families(app)
         if app.exports_fleet_metrics:
             yield from worker_families(app.snapshot.workers, app.metrics)
 
@@ -236,6 +280,70 @@ def policy_decisions_family(policies: Mapping[str, BasePolicy]) -> Metric:
         for decision, count in policy.decisions.items():
             family.add_metric([model, policy.name, decision], count)
     return family
+
+
+def alias_requests_family(metrics: RouterMetrics) -> Metric:
+    """Which target each alias's requests went to, so a traffic split can be checked."""
+    family = CounterMetricFamily(
+        "controlpanel_router_alias_requests",
+        "Requests that named an alias, by the alias and the target model chosen for them.",
+        labels=["alias", "target"],
+    )
+    for (alias, target), count in metrics.alias_requests.items():
+        family.add_metric([alias, target], count)
+    return family
+
+
+def retries_family(metrics: RouterMetrics) -> Metric:
+    family = CounterMetricFamily(
+        "controlpanel_router_retries",
+        "Requests sent to another worker after a failure before the first byte, by cause.",
+        labels=["reason"],
+    )
+    for reason, count in metrics.retries.items():
+        family.add_metric([reason], count)
+    return family
+
+
+def ejection_families(app: RouterApp) -> Iterator[Metric]:
+    """Workers this router took out of its rotation after failures (routing.ejection)."""
+    ejector, label = app.ejector, app.metrics.worker_label
+    ejected = GaugeMetricFamily(
+        "controlpanel_router_worker_ejected",
+        "1 while this router keeps the worker out of its rotation after failures.",
+        labels=["worker"],
+    )
+    for worker in app.snapshot.workers:
+        ejected.add_metric([label(worker.id)], 1 if worker.id in ejector.ejected_until else 0)
+    yield ejected
+    total = CounterMetricFamily(
+        "controlpanel_router_ejections",
+        "Times this router ejected the worker after consecutive failures.",
+        labels=["worker"],
+    )
+    for worker_id, count in ejector.ejections_total.items():
+        total.add_metric([label(worker_id)], count)
+    yield total
+
+
+def admission_families(app: RouterApp) -> Iterator[Metric]:
+    """Requests waiting for room under the in-flight limits, and those turned away (429)."""
+    queued = GaugeMetricFamily(
+        "controlpanel_router_queued",
+        "Requests waiting for room under the in-flight limits, by model.",
+        labels=["model"],
+    )
+    for model, count in app.admission.queued().items():
+        queued.add_metric([model], count)
+    yield queued
+    rejected = CounterMetricFamily(
+        "controlpanel_router_admission_rejected",
+        "Requests answered 429 because the queue was full or the wait ran out, by model.",
+        labels=["model"],
+    )
+    for model, count in app.admission.rejected.items():
+        rejected.add_metric([model], count)
+    yield rejected
 
 
 def render(collector: Collector) -> bytes:
@@ -331,6 +439,7 @@ def worker_families(workers: Iterable[WorkerView], metrics: RouterMetrics) -> It
     yield state
     yield queue
     yield from _scraped_families(workers, label)
+    yield from gpu_families(workers, label)
 
 
 def _scraped_families(

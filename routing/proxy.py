@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import random
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
@@ -23,6 +23,11 @@ import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry
 
+from routing import access_log
+from routing.admission import Admission
+from routing.aliases import ModelNameRewriter, rewrite_request_model, session_key
+from routing.auth import OPEN_PATHS, ClientGate, ClientKey, Refusal, visible_models
+from routing.ejection import Ejector
 from routing.errors import error_body, sse_error_event
 from routing.metrics import (
     CONTENT_TYPE,
@@ -65,6 +70,7 @@ MODEL_ROUTES = frozenset(
 )
 SEED_ROUTES = frozenset({"/list_models", "/list_workers", "/health"})
 METRICS_PATH = "/metrics"
+GET_ROUTES = SEED_ROUTES | {"/v1/models", METRICS_PATH}
 # vLLM's administrative and dev-mode endpoints: answered here with a 404 so that no client
 # can ever put a worker to sleep or reset its cache through the public router.
 PRIVATE_ROUTES = frozenset(
@@ -105,6 +111,11 @@ HOP_BY_HOP = frozenset(
 _REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 # uvicorn writes its own Date and Server; relaying the worker's too would send both twice.
 RESPONSE_DROP = HOP_BY_HOP | {b"date", b"server"}
+_REQUEST_DROP_REWRITING = _REQUEST_DROP | {b"accept-encoding"}
+_RESPONSE_DROP_RENAMED = RESPONSE_DROP | {b"content-length"}
+
+# Answers that mean "not now, not here": safe to send to another worker before any byte.
+RETRY_STATUSES = frozenset({429, 502, 503})
 
 _JSON = b"application/json"
 _METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
@@ -119,9 +130,19 @@ class RouterConfig:
     connect_timeout: float = 5.0
     read_timeout: float = 600.0  # to the first byte, and between chunks; never overall
     max_body_bytes: int = 32 * 1024 * 1024
+    body_timeout: float = 30.0  # seconds for the whole request body to arrive (else 408)
+    max_header_bytes: int = 64 * 1024  # names and values together (else 431)
+    require_api_key: bool = False  # client keys (routing.auth)
     max_connections: int = 2048
     max_connections_per_worker: int = 512
     retry_after_seconds: int = 2
+    retries: int = 2  # extra attempts on other workers, before the first byte only
+    retry_backoff: float = 0.025  # seconds; doubled per attempt, jittered by +-50%
+    eject_after: int = 5  # consecutive failures that eject a worker (routing.ejection); 0: off
+    eject_cooldown: float = 5.0  # seconds, doubled on each repeated ejection
+    max_inflight_per_worker: int = 0  # per router process; 0: no limit (routing.admission)
+    queue_timeout: float = 10.0  # seconds a request waits for room before its 429
+    queue_max: int = 1000  # requests waiting per model before newcomers get 429 at once
 
 
 def routes_here(path: str) -> bool:
@@ -154,6 +175,11 @@ class RouterApp:
         # worker id -> [failures, last cause]: connection refused or reset, or no answer in
         # time, seen by real traffic; the refresher takes them for the control plane.
         self.passive_failures: dict[int, list[Any]] = {}
+        self.gate = ClientGate()  # client keys, their rate limits and usage (routing.auth)
+        self.ejector = Ejector(self.config.eject_after, self.config.eject_cooldown)
+        self.admission = Admission(
+            self.config.max_inflight_per_worker, self.config.queue_timeout, self.config.queue_max
+        )
         self._session: aiohttp.ClientSession | None = None
         self._policies: dict[tuple[str, str, bytes], BasePolicy] = {}
         self._route_policies: dict[str, BasePolicy] = {}
@@ -164,6 +190,9 @@ class RouterApp:
         kept: dict[tuple[str, str, bytes], BasePolicy] = {}
         policies = {name: self._policy_for(route, kept) for name, route in snapshot.routes.items()}
         self.metrics.name_workers(snapshot.workers)
+        self.ejector.forget({w.id for w in snapshot.workers})
+        was_out = {w.id for w in self.snapshot.workers if not w.routable}
+        self.ejector.readmit_recovered({w.id for w in snapshot.workers if w.routable} & was_out)
         self.snapshot, self._route_policies, self._policies = snapshot, policies, kept
 
     def route_policies(self) -> Mapping[str, BasePolicy]:
@@ -226,11 +255,21 @@ class RouterApp:
         if path in MODEL_ROUTES:
             return await self._proxy(scope, receive, send)
         if method != "GET":
-            return await _respond_error(send, 405, f"{method} is not allowed on {path}")
+            if path in GET_ROUTES or path.startswith("/v1/models/"):
+                return await _respond_error(send, 405, f"{method} is not allowed on {path}")
+            return await _respond_error(send, 404, f"no route {path}")
+        client: ClientKey | None = None
+        if self.config.require_api_key and path not in OPEN_PATHS:
+            checked = self.gate.authenticate(scope, self.snapshot.api_keys)
+            if isinstance(checked, Refusal):
+                return await _refuse(send, checked)
+            client = checked
         if path == "/v1/models":
-            return await _respond(send, 200, self.snapshot.models_payload)
+            snapshot = self.snapshot
+            payload = visible_models(snapshot.models_payload, snapshot.model_entries, client)
+            return await _respond(send, 200, payload)
         if path.startswith("/v1/models/"):
-            return await self._model_detail(send, path.removeprefix("/v1/models/"))
+            return await self._model_detail(send, path.removeprefix("/v1/models/"), client)
         if path == "/list_models":
             return await _respond(send, 200, self.snapshot.list_models_payload)
         if path == "/list_workers":
@@ -242,11 +281,11 @@ class RouterApp:
             return await _respond(send, 200, body, content_type=_METRICS_CONTENT_TYPE)
         await _respond_error(send, 404, f"no route {path}")
 
-    async def _model_detail(self, send: Send, model: str) -> None:
+    async def _model_detail(self, send: Send, model: str, client: ClientKey | None) -> None:
         """GET /v1/models/{id}, which the SDKs' models.retrieve() calls. The ASGI path is
         already percent-decoded, so ids with a slash (`org/model`) work as they are."""
         entry = self.snapshot.model_entries.get(model)
-        if entry is None:
+        if entry is None or (client is not None and not client.allows(model)):
             return await _respond_error(send, 404, f"The model `{model}` does not exist.", "model")
         await _respond(send, 200, orjson.dumps(entry))
 
@@ -255,19 +294,31 @@ class RouterApp:
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One model-route request, counted and timed whatever becomes of it."""
         trace = RequestTrace(perf_counter())
+        rid = access_log.request_id(scope)
         try:
-            await self._place(scope, receive, send, trace)
+            await self._place(scope, receive, access_log.with_request_id(send, rid), trace)
         except Exception:
             trace.status = trace.status or 500  # uvicorn answers an escaped error with a 500
             raise
         finally:
             self.metrics.finish(trace, perf_counter())
+            if access_log.enabled():
+                access_log.write(scope, trace, rid, self.metrics.worker_label(trace.worker_id))
 
     async def _place(self, scope: Scope, receive: Receive, send: Send, trace: RequestTrace) -> None:
         """Read, parse, pick a worker and forward; every exit leaves its status in `trace`."""
         method = scope["method"]
         if method != "POST":
             return await _reject(send, trace, 405, f"{method} is not allowed on {scope['path']}")
+        client: ClientKey | None = None
+        if self.config.require_api_key:  # before the body is read: strangers cost nothing
+            checked = self.gate.authenticate(scope, self.snapshot.api_keys)
+            if isinstance(checked, Refusal):
+                return await _refuse(send, checked, trace)
+            client = checked
+        if _headers_size(scope["headers"]) > self.config.max_header_bytes:
+            limit = self.config.max_header_bytes
+            return await _reject(send, trace, 431, f"the request headers exceed {limit} bytes")
         body = await self._read_body(scope, receive, send, trace)
         if body is None:
             return
@@ -280,6 +331,20 @@ class RouterApp:
             return await _reject(
                 send, trace, 400, "the request body must be a JSON object with a `model`", "model"
             )
+        if client is not None:  # by the name the client asked for, alias or model
+            if refusal := self.gate.admit(client, model):
+                return await _refuse(send, refusal, trace)
+            send = self.gate.metered(send, client, model)
+        rewriter: ModelNameRewriter | None = None
+        alias = self.snapshot.aliases.get(model)
+        if alias is not None:
+            target = alias.choose(session_key(scope["headers"], payload))
+            if target is None:
+                return await _reject(send, trace, 503, f"the alias `{model}` has no target")
+            body = rewrite_request_model(body, payload, model, target)
+            rewriter = ModelNameRewriter(target, model)
+            self.metrics.alias_requests[model, target] += 1
+            model = target
         route = self.snapshot.routes.get(model)
         policy = self._route_policies.get(model)
         if route is None or policy is None:
@@ -288,17 +353,99 @@ class RouterApp:
         # The prompt as text costs CPU, so only a policy that uses it gets it.
         text = request_text(payload) if policy.needs_request_text else None
         request = RequestInfo(model=model, body=payload, raw_headers=scope["headers"], text=text)
-        worker = policy.select(route.workers, request, self.inflight)
+        workers = self.ejector.routable(route.workers)
+        if self.admission.limits(route.max_inflight) and workers:
+            return await self._admit(scope, receive, send, route, workers, Forward(
+                workers[0], body, policy, request, trace, rewriter
+            ))  # fmt: skip
+        worker = policy.select(workers, request, self.inflight)
+        if worker is None:
+            return await self._no_worker(send, trace, model)
+        forward = Forward(worker, body, policy, request, trace, rewriter)
+        await self._forward_with_retries(scope, receive, send, forward, workers, model)
+
+    async def _forward_with_retries(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        forward: Forward,
+        workers: Sequence[WorkerView],
+        model: str,
+    ) -> None:
+        forward.trace.worker_id = forward.worker.id
+        forward.retries_left = self.config.retries if len(workers) > 1 else 0
+        await self._forward_counted(scope, receive, send, forward)
+        while forward.retry:
+            await self._retry(scope, receive, send, forward, workers, model)
+
+    async def _admit(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        route: ModelRoute,
+        workers: Sequence[WorkerView],
+        forward: Forward,
+    ) -> None:
+        """Forward within the in-flight limits, after a bounded wait; else 429."""
+        policy, request = forward.policy, forward.request
+
+        def choose(candidates: Sequence[WorkerView]) -> WorkerView | None:
+            return policy.select(candidates, request, self.inflight)
+
+        worker = await self.admission.acquire(
+            route.name, workers, route.max_inflight, choose, self.inflight
+        )
         if worker is None:
             return await _reject(
                 send,
-                trace,
-                503,
-                f"no worker is available for model `{model}` right now",
+                forward.trace,
+                429,
+                f"too many requests in flight for `{route.name}`; retry shortly",
                 extra_headers=[(b"retry-after", str(self.config.retry_after_seconds).encode())],
             )
-        trace.worker_id = worker.id
-        await self._forward_counted(scope, receive, send, worker, body, policy, request, trace)
+        forward.worker = worker
+        try:
+            await self._forward_with_retries(scope, receive, send, forward, workers, route.name)
+        finally:
+            self.admission.release(route.name, (m.id for m in worker.models))
+
+    async def _no_worker(self, send: Send, trace: RequestTrace, model: str) -> None:
+        await _reject(
+            send,
+            trace,
+            503,
+            f"no worker is available for model `{model}` right now",
+            extra_headers=[(b"retry-after", str(self.config.retry_after_seconds).encode())],
+        )
+
+    async def _retry(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        forward: Forward,
+        workers: Sequence[WorkerView],
+        model: str,
+    ) -> None:
+        """Another worker, after a jittered pause, for an attempt that failed before any byte
+        reached the client. The last attempt relays (or reports) whatever it gets."""
+        forward.retry = False
+        forward.tried.add(forward.worker.id)
+        forward.retries_left -= 1
+        self.metrics.retries[forward.retry_reason] += 1
+        backoff = self.config.retry_backoff * (2 ** len(forward.tried) - 1)
+        await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+        others = tuple(w for w in workers if w.id not in forward.tried)
+        worker = forward.policy.select(others, forward.request, self.inflight) if others else None
+        if worker is None:
+            return await self._no_worker(send, forward.trace, model)
+        if len(others) == 1:
+            forward.retries_left = 0
+        forward.worker = worker
+        forward.trace.worker_id = worker.id
+        await self._forward_counted(scope, receive, send, forward)
 
     async def _read_body(
         self, scope: Scope, receive: Receive, send: Send, trace: RequestTrace
@@ -308,6 +455,18 @@ class RouterApp:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _reject(send, trace, 413, f"the request body exceeds {limit} bytes")
             return None
+        try:
+            # A client that trickles its body (slowloris) must not hold a request open.
+            async with asyncio.timeout(self.config.body_timeout):
+                return await self._receive_body(receive, send, trace, limit)
+        except TimeoutError:
+            seconds = self.config.body_timeout
+            await _reject(send, trace, 408, f"the request body did not arrive within {seconds} s")
+            return None
+
+    async def _receive_body(
+        self, receive: Receive, send: Send, trace: RequestTrace, limit: int
+    ) -> bytes | None:
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -335,83 +494,78 @@ class RouterApp:
         return policy
 
     async def _forward_counted(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        worker: WorkerView,
-        body: bytes,
-        policy: BasePolicy,
-        request: RequestInfo,
-        trace: RequestTrace,
+        self, scope: Scope, receive: Receive, send: Send, forward: Forward
     ) -> None:
+        worker, policy, request = forward.worker, forward.policy, forward.request
         self.inflight[worker.id] += 1
         policy.on_request_start(worker, request)
         ok = False
-        first_byte = partial(policy.on_first_byte, worker, request)
         try:
-            ok = await self._forward_watching_client(
-                scope, receive, send, worker, body, trace, first_byte
-            )
+            ok = await self._forward_watching_client(scope, receive, send, forward)
         finally:
             self.inflight[worker.id] -= 1
             policy.on_request_complete(worker, request, ok)
 
     async def _forward_watching_client(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        worker: WorkerView,
-        body: bytes,
-        trace: RequestTrace,
-        first_byte: Callable[[], None],
+        self, scope: Scope, receive: Receive, send: Send, forward: Forward
     ) -> bool:
         """Run the forward while watching for the client leaving; if it leaves, cancel the
         forward, which closes the upstream connection instead of finishing the generation."""
-        forward = asyncio.current_task()
-        assert forward is not None
+        task = asyncio.current_task()
+        assert task is not None
         state = {"done": False, "gone": False}
-        watcher = asyncio.create_task(_watch_disconnect(receive, forward, state))
+        watcher = asyncio.create_task(_watch_disconnect(receive, task, state))
         try:
-            return await self._forward(scope, send, worker, body, state, trace, first_byte)
+            return await self._forward(scope, send, forward, state)
         except asyncio.CancelledError:
             if not state["gone"]:
                 raise
-            forward.uncancel()
+            task.uncancel()
             return False
         finally:
             state["done"] = True
             watcher.cancel()
 
     async def _forward(
-        self,
-        scope: Scope,
-        send: Send,
-        worker: WorkerView,
-        body: bytes,
-        state: dict[str, bool],
-        trace: RequestTrace,
-        first_byte: Callable[[], None],
+        self, scope: Scope, send: Send, forward: Forward, state: dict[str, bool]
     ) -> bool:
         session = self._session or await self._lazy_session()
+        worker, trace = forward.worker, forward.trace
         url = worker.url + scope["path"]
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
+        # An alias's answer is renamed on the way back, which needs it uncompressed.
+        drop = _REQUEST_DROP if forward.rewriter is None else _REQUEST_DROP_REWRITING
         try:
             upstream = await session.post(
-                url, data=body, headers=_request_headers(scope["headers"]), allow_redirects=False
+                url,
+                data=forward.body,
+                headers=_request_headers(scope["headers"], drop),
+                allow_redirects=False,
             )
         except TimeoutError as exc:
             self._failed_before_response(worker, "timeout", exc)
+            # Only a connection that was never made is safe to try elsewhere: a worker that
+            # took the request and stayed silent may still be generating it.
+            if forward.retries_left and isinstance(exc, aiohttp.ConnectionTimeoutError):
+                return forward.ask_retry("connect_timeout")
             await _reject(send, trace, 504, f"worker {worker.name} did not answer in time")
             return False
         except aiohttp.ClientError as exc:
-            self._failed_before_response(worker, _connection_error_kind(exc), exc)
+            kind = _connection_error_kind(exc)
+            self._failed_before_response(worker, kind, exc)
+            if forward.retries_left:
+                return forward.ask_retry(kind)
             await _reject(send, trace, 502, f"worker {worker.name} is unreachable: {exc}")
             return False
+        if forward.retries_left and upstream.status in RETRY_STATUSES:
+            self.metrics.upstream_error(worker.id, f"upstream_{upstream.status}")
+            if upstream.status >= 500:
+                self.ejector.failure(worker.id, f"answered {upstream.status}")
+            upstream.close()
+            return forward.ask_retry(f"status_{upstream.status}")
         try:
-            return await self._relay(send, upstream, worker, state, trace, first_byte)
+            return await self._relay(send, upstream, forward, state)
         finally:
             if state["gone"] or not upstream.content.at_eof():
                 upstream.close()  # the connection is mid-message: never reuse it
@@ -422,36 +576,31 @@ class RouterApp:
         self,
         send: Send,
         upstream: aiohttp.ClientResponse,
-        worker: WorkerView,
+        forward: Forward,
         state: dict[str, bool],
-        trace: RequestTrace,
-        first_byte: Callable[[], None],
     ) -> bool:
+        worker, trace = forward.worker, forward.trace
         status = upstream.status
         if status >= 500:
             self.metrics.upstream_error(worker.id, "upstream_5xx")
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": _response_headers(upstream.raw_headers),
-            }
-        )
+            self.ejector.failure(worker.id, f"answered {status}")
+        rewriter = _usable_rewriter(forward.rewriter, upstream)
+        headers = _response_headers(upstream.raw_headers, rewriter is not None)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         trace.status = status
-        content = upstream.content
         try:
-            # The first chunk apart, so the loop below carries no time-to-first-byte check.
-            if chunk := await content.readany():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                trace.first_byte = perf_counter()
-                first_byte()
-            while chunk := await content.readany():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if rewriter is None:
+                await _relay_body(send, upstream.content, forward)
+            else:
+                await _relay_body_renamed(send, upstream.content, forward, rewriter)
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("stream from %s broke: %r", worker.name, exc)
             self.metrics.upstream_error(worker.id, "broken_stream")
+            self.ejector.failure(worker.id, f"stream broke: {type(exc).__name__}")
             await self._end_broken_stream(send, upstream, worker, exc)
             return False
+        if status < 500:
+            self.ejector.success(worker.id)
         state["done"] = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return upstream.status < 500
@@ -469,6 +618,7 @@ class RouterApp:
 
     def _failed_before_response(self, worker: WorkerView, kind: str, exc: BaseException) -> None:
         self.metrics.upstream_error(worker.id, kind)
+        self.ejector.failure(worker.id, f"{kind}: {type(exc).__name__}")
         # Only what says "the server is not there": a malformed answer or a bad URL is not
         # something a health check should act on.
         if isinstance(exc, TimeoutError | aiohttp.ClientConnectionError):
@@ -479,6 +629,21 @@ class RouterApp:
             else:
                 entry[0] += 1
                 entry[1] = cause
+
+    async def readmit_due(self) -> None:
+        """Probe the workers whose ejection cool-down is over; readmit those that answer."""
+        due = self.ejector.due_for_probe()
+        if not due:
+            return
+        session = self._session or await self._lazy_session()
+        by_id = {w.id: w for w in self.snapshot.workers}
+        for worker_id in due:
+            worker = by_id.get(worker_id)
+            if worker is None:
+                self.ejector.probed(worker_id, False, "left the fleet")
+                continue
+            healthy, detail = await _probe_health(session, worker.url)
+            self.ejector.probed(worker_id, healthy, detail)
 
     async def _lazy_session(self) -> aiohttp.ClientSession:
         """For servers that skip the ASGI lifespan: make the one session on first use."""
@@ -528,6 +693,73 @@ class RouterApp:
         }
 
 
+@dataclass(slots=True)
+class Forward:
+    """One placed request on its way to its worker."""
+
+    worker: WorkerView
+    body: bytes
+    policy: BasePolicy
+    request: RequestInfo
+    trace: RequestTrace
+    rewriter: ModelNameRewriter | None = None
+    # Retries before the first byte: how many are left, who was tried, and whether the
+    # attempt that just ended asks for one (and why).
+    retries_left: int = 0
+    tried: set[int] = field(default_factory=set)
+    retry: bool = False
+    retry_reason: str = ""
+
+    def ask_retry(self, reason: str) -> bool:
+        self.retry, self.retry_reason = True, reason
+        return False
+
+    def first_byte(self) -> None:
+        self.trace.first_byte = perf_counter()
+        self.policy.on_first_byte(self.worker, self.request)
+
+
+async def _relay_body(send: Send, content: aiohttp.StreamReader, forward: Forward) -> None:
+    # The first chunk apart, so the loop below carries no time-to-first-byte check.
+    if chunk := await content.readany():
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        forward.first_byte()
+    while chunk := await content.readany():
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+
+async def _relay_body_renamed(
+    send: Send, content: aiohttp.StreamReader, forward: Forward, rewriter: ModelNameRewriter
+) -> None:
+    first = True
+    while chunk := await content.readany():
+        if first:
+            forward.first_byte()
+            first = False
+        if out := rewriter.feed(chunk):
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+    if rest := rewriter.flush():
+        await send({"type": "http.response.body", "body": rest, "more_body": True})
+
+
+def _usable_rewriter(
+    rewriter: ModelNameRewriter | None, upstream: aiohttp.ClientResponse
+) -> ModelNameRewriter | None:
+    """Only JSON and SSE carry a `model` field, and only uncompressed bytes can be renamed."""
+    if rewriter is None or upstream.headers.get("Content-Encoding", "identity") != "identity":
+        return None
+    kind = upstream.content_type
+    return rewriter if kind in ("application/json", "text/event-stream") else None
+
+
+async def _probe_health(session: aiohttp.ClientSession, url: str) -> tuple[bool, str]:
+    try:
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            return r.status == 200, f"/health {r.status}"
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return False, f"/health failed: {type(exc).__name__}"
+
+
 def _tune_garbage_collector() -> None:
     """Every proxied request allocates a few hundred short-lived objects, which makes the
     default collector run its young generation hundreds of times a second. Moving what
@@ -563,14 +795,22 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def _request_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
-    return [
-        (k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.lower() not in _REQUEST_DROP
-    ]
+def _headers_size(headers: Iterable[tuple[bytes, bytes]]) -> int:
+    return sum(len(name) + len(value) for name, value in headers)
 
 
-def _response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in raw if k.lower() not in RESPONSE_DROP]
+def _request_headers(
+    raw: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes] = _REQUEST_DROP
+) -> list[tuple[str, str]]:
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.lower() not in drop]
+
+
+def _response_headers(
+    raw: Iterable[tuple[bytes, bytes]], renamed: bool = False
+) -> list[tuple[bytes, bytes]]:
+    # A renamed body may change length: it goes out chunked, without the worker's length.
+    drop = _RESPONSE_DROP_RENAMED if renamed else RESPONSE_DROP
+    return [(k, v) for k, v in raw if k.lower() not in drop]
 
 
 def _rounded(value: float | None) -> float | None:
@@ -615,3 +855,11 @@ async def _reject(
     """A router-made error on a model route, counted under the status it sends."""
     trace.status = status
     await _respond_error(send, status, message, param, extra_headers=extra_headers)
+
+
+async def _refuse(send: Send, refusal: Refusal, trace: RequestTrace | None = None) -> None:
+    """A request turned away by the client gate (routing.auth): 401, 404 or 429."""
+    if trace is not None:
+        trace.status = refusal.status
+    status, headers = refusal.status, list(refusal.headers)
+    await _respond_error(send, status, refusal.message, refusal.param, extra_headers=headers)

@@ -21,11 +21,13 @@ from typing import Any, Protocol, TypeVar
 
 from routing.proxy import RouterApp
 from routing.snapshot import Snapshot
+from routing.usage import UsageBatch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 LIFE_SIGN_SECONDS = 5.0
 RECENT_WINDOW = 60.0
+USAGE_FLUSH_SECONDS = 2.0
 
 
 class SnapshotSource(Protocol):
@@ -44,9 +46,13 @@ class SnapshotSource(Protocol):
         inflight: dict[int, int],
         failures: dict[int, tuple[int, str]],
         recent: dict[int, tuple[int, int]],
+        traffic: dict[str, dict[str, Any]],
+        ejections: list[tuple[int, str, str]],
     ) -> bool: ...
 
     def forget(self, *, instance_id: str) -> None: ...
+
+    def record_usage(self, *, usage: UsageBatch) -> None: ...
 
 
 class SnapshotRefresher:
@@ -70,9 +76,11 @@ class SnapshotRefresher:
         self._task: asyncio.Task[None] | None = None
         self._last_report = 0.0
         self._last_reported: dict[int, int] | None = None
+        self._last_traffic: dict[str, dict[str, Any]] = {}
         self._last_generation: int | None = None
         self._totals_history: deque[tuple[float, dict[int, tuple[int, int]]]] = deque()
         self._last_error_log = 0.0
+        self._last_usage_flush = 0.0
 
     async def start(self) -> None:
         await self.refresh_once()
@@ -84,6 +92,7 @@ class SnapshotRefresher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         try:
+            await self._flush_usage(force=True)  # the last seconds of keyed traffic
             await self._run(self.source.forget, instance_id=self.instance_id)
         except Exception:
             log.debug("could not deregister router instance", exc_info=True)
@@ -93,11 +102,16 @@ class SnapshotRefresher:
         while True:
             await asyncio.sleep(self.poll_interval)
             await self.refresh_once()
+            try:
+                await self.router.readmit_due()
+            except Exception:  # a probe must never stop the refresher
+                log.exception("probing ejected workers failed")
 
     async def refresh_once(self) -> None:
         try:
             await self._refresh_snapshot()
             await self._report_inflight()
+            await self._flush_usage()
         except Exception as exc:  # noqa: BLE001 - any store failure must leave us serving
             self.router.snapshot_error = f"{type(exc).__name__}: {exc}"
             self._log_error(exc)
@@ -119,11 +133,14 @@ class SnapshotRefresher:
         # Read together, with no await between: these counts belong to this snapshot.
         generation = self.router.snapshot.generation
         inflight = {k: v for k, v in self.router.inflight.items() if v}
+        traffic = self.router.metrics.model_totals()
         since = now - self._last_report
+        moved = inflight != self._last_reported or traffic != self._last_traffic
         due = (
             generation != self._last_generation
             or self.router.passive_failures
-            or (inflight != self._last_reported and since >= self.report_interval)
+            or self.router.ejector.events
+            or (moved and since >= self.report_interval)
             or since >= LIFE_SIGN_SECONDS
         )
         if not due:
@@ -141,9 +158,26 @@ class SnapshotRefresher:
             inflight=inflight,
             failures=failures,
             recent=self._recent_traffic(now),
+            traffic=traffic,
+            ejections=[(e.worker_id, e.kind, e.message) for e in self.router.ejector.take_events()],
         )
-        self._last_report, self._last_reported = now, inflight
+        self._last_report, self._last_reported, self._last_traffic = now, inflight, traffic
         self._last_generation = generation
+
+    async def _flush_usage(self, *, force: bool = False) -> None:
+        """Write the keyed requests' usage every USAGE_FLUSH_SECONDS; what cannot be written
+        goes back into the ledger for the next try."""
+        ledger = self.router.gate.usage
+        now = time.monotonic()
+        if not ledger or (not force and now - self._last_usage_flush < USAGE_FLUSH_SECONDS):
+            return
+        batch = ledger.take()
+        try:
+            await self._run(self.source.record_usage, usage=batch)
+        except BaseException:
+            ledger.restore(batch)
+            raise
+        self._last_usage_flush = now
 
     def _recent_traffic(self, now: float) -> dict[int, tuple[int, int]]:
         """Requests and failures per worker over about the last RECENT_WINDOW seconds, from

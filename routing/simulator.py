@@ -25,6 +25,8 @@ Test hooks: the header ``X-Sim-Delay-Ms: N`` delays a request by N ms before any
 ``Simulator.requests`` (method, path, headers, raw body), and ``/sim/stats``, ``/sim/reset`` and
 ``/sim/control`` expose and steer the state over HTTP. A client disconnect while a request waits,
 prefills or decodes removes it at once and records it in ``cancelled`` / ``cancelled_ids``.
+``/dcgm-metrics`` serves the server's simulated GPUs (``gpus`` of them) as NVIDIA's DCGM
+exporter would (routing.simulated_gpus).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import asyncio
 import hashlib
 import math
 import os
+import random
 import signal
 import time
 from bisect import bisect_left
@@ -45,6 +48,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+
+from routing.simulated_gpus import SimulatedGpus
 
 __all__ = [
     "RunningSimulator",
@@ -72,6 +77,11 @@ class SimConfig:
     block_size: int = 16
     max_model_len: int = 4096
     default_max_tokens: int = 16
+    # Fault injection, for rollout gates and chaos tests: this fraction of generation
+    # requests is answered with vLLM's 500 error; /sim/control changes it and
+    # `extra_ttft_ms` (a slow version) while the server runs.
+    fail_ratio: float = 0.0
+    gpus: int = 1  # simulated GPUs on /dcgm-metrics
 
 
 # --------------------------------------------------------------------------- tokens and text
@@ -310,6 +320,9 @@ class Simulator:
         self.models: dict[str, str | None] = {config.model: None}
         self.models.update({name: config.model for name in config.loras})
         self.healthy = True
+        self.fail_ratio = config.fail_ratio
+        self.fail_status = 500
+        self.extra_ttft_ms = 0.0
         self.running = 0
         self.waiting = 0
         self.held_blocks = 0
@@ -317,6 +330,7 @@ class Simulator:
         self.lora_waiting: Counter[str] = Counter()
         self._queue: deque[asyncio.Future[None]] = deque()
         self._cache: OrderedDict[int, None] = OrderedDict()
+        self.gpus = SimulatedGpus(config.gpus)
         self.reset()
 
     def reset(self) -> None:
@@ -324,6 +338,7 @@ class Simulator:
         self.received = 0
         self.completed = 0
         self.cancelled = 0
+        self.injected_failures = 0
         self.cancelled_ids: list[str] = []
         self.by_path: Counter[str] = Counter()
         self.requests: deque[dict[str, Any]] = deque(maxlen=200)
@@ -430,7 +445,8 @@ class Simulator:
         if self.instant:
             return
         uncached = n // self.config.block_size - hits
-        delay = self.config.ttft_ms + self.config.prefill_ms_per_block * uncached
+        delay = self.config.ttft_ms + self.extra_ttft_ms
+        delay += self.config.prefill_ms_per_block * uncached
         if delay > 0:
             await asyncio.sleep(delay / 1000)
 
@@ -763,6 +779,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             await asyncio.sleep(delay)
         return exc.response()
     sim.received += 1
+    if sim.fail_ratio and random.random() < sim.fail_ratio:
+        sim.injected_failures += 1
+        return _error(sim.fail_status, "injected failure (simulator fail_ratio)", "SimulatedError")
     if job.stream:
         return await _respond_stream(sim, request, job, chat, delay)
     return await _respond_whole(sim, job, chat, delay)
@@ -949,6 +968,16 @@ async def reset_prefix_cache(sim: Simulator, request: web.Request, body: bytes) 
     return web.Response()
 
 
+async def dcgm_metrics(request: web.Request) -> web.Response:
+    # Not logged with the requests: like /metrics, it is scraped, not served.
+    sim = request.app[SIM_KEY]
+    cfg = sim.config
+    load = sim.running / cfg.max_batch if cfg.max_batch else 0.0
+    kv_usage = min(1.0, sim.held_blocks / cfg.cache_blocks) if cfg.cache_blocks else 0.0
+    text = sim.gpus.render(load=load, kv_usage=kv_usage, now=time.time())
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
 async def sim_stats(request: web.Request) -> web.Response:
     return _json(request.app[SIM_KEY].stats())
 
@@ -966,7 +995,16 @@ async def sim_control(request: web.Request) -> web.Response:
         return exc.response()
     if "healthy" in data:
         sim.healthy = bool(data["healthy"])
-    return _json({"healthy": sim.healthy})
+    if "fail_ratio" in data:
+        sim.fail_ratio = min(1.0, max(0.0, float(data["fail_ratio"])))
+    if "extra_ttft_ms" in data:
+        sim.extra_ttft_ms = max(0.0, float(data["extra_ttft_ms"]))
+    if "fail_status" in data:
+        sim.fail_status = int(data["fail_status"])
+    sim.gpus.control(data)
+    return _json(
+        {"healthy": sim.healthy, "fail_ratio": sim.fail_ratio, "extra_ttft_ms": sim.extra_ttft_ms}
+    )
 
 
 # --------------------------------------------------------------------------- app and runners
@@ -991,6 +1029,7 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_get("/version", version)
     app.router.add_get("/load", load)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/dcgm-metrics", dcgm_metrics)
     app.router.add_get("/sim/stats", sim_stats)
     app.router.add_post("/sim/reset", sim_reset)
     app.router.add_post("/sim/control", sim_control)
@@ -1064,6 +1103,10 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    parser.add_argument(
+        "--fail-ratio", type=float, default=d.fail_ratio, help="fraction answered with 500"
+    )
+    parser.add_argument("--gpus", type=int, default=d.gpus, help="GPUs on /dcgm-metrics")
 
 
 def config_from_options(options: dict[str, Any]) -> SimConfig:
@@ -1079,6 +1122,8 @@ def config_from_options(options: dict[str, Any]) -> SimConfig:
         block_size=options["block_size"],
         max_model_len=options["max_model_len"],
         default_max_tokens=options["default_max_tokens"],
+        fail_ratio=options.get("fail_ratio", 0.0),
+        gpus=options.get("gpus", SimConfig.gpus),
     )
 
 

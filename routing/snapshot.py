@@ -14,6 +14,9 @@ from typing import Any
 
 import orjson
 
+from routing.aliases import AliasRoute, alias_model_entry
+from routing.auth import ClientKey
+
 
 @dataclass(frozen=True, slots=True)
 class ModelEntry:
@@ -24,6 +27,24 @@ class ModelEntry:
     root: str | None = None
     max_model_len: int | None = None
     created: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuView:
+    """One GPU of a worker as last read (NVML or DCGM; see controlpanel.gpu), for /metrics.
+    None: the source does not report it."""
+
+    index: int
+    uuid: str | None = None
+    name: str | None = None
+    util: float | None = None  # 0..1
+    mem_used: float | None = None  # bytes
+    mem_total: float | None = None  # bytes
+    temp: float | None = None  # °C
+    power: float | None = None  # W
+    power_limit: float | None = None  # W
+    ecc_errors: int | None = None
+    xid: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +67,8 @@ class WorkerView:
     metrics_age: float | None = None  # seconds since the probe that read them, at build
     # Every scraped value by name (None: unknown), for /metrics and the dashboard.
     metrics: Mapping[str, Any] = field(default_factory=dict)
+    # Fresh GPU readings only; empty when no source reports (unknown, never zeros).
+    gpus: tuple[GpuView, ...] = ()
 
     def heartbeat_age(self, now: float) -> float | None:
         return None if self.last_heartbeat is None else max(0.0, now - self.last_heartbeat)
@@ -59,6 +82,7 @@ class ModelRoute:
     policy: str
     policy_config: Mapping[str, Any]
     workers: tuple[WorkerView, ...]  # routable workers only
+    max_inflight: int = 0  # per router process; 0: no limit (routing.admission)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +90,7 @@ class ServedModelInfo:
     name: str
     policy: str = "shortest_queue"
     policy_config: Mapping[str, Any] = field(default_factory=dict)
+    max_inflight: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +103,11 @@ class Snapshot:
     models_payload: bytes
     list_models_payload: bytes
     model_entries: Mapping[str, dict[str, Any]]  # id -> its /v1/models entry
+    # Public names standing for weighted targets (routing.aliases); an alias shadows a
+    # model of the same name.
+    aliases: Mapping[str, AliasRoute] = field(default_factory=dict)
+    # Live client keys by their public prefix (routing.auth); revoked ones are left out.
+    api_keys: Mapping[str, ClientKey] = field(default_factory=dict)
     # When time alone (a heartbeat running out) may change who is routable; the refresher
     # rebuilds then even if no write announced anything.
     valid_until: float = float("inf")
@@ -94,6 +124,8 @@ def build_snapshot(
     generation: int,
     now: float | None = None,
     valid_until: float = float("inf"),
+    aliases: Mapping[str, Mapping[str, int]] | None = None,
+    api_keys: Iterable[ClientKey] = (),
 ) -> Snapshot:
     workers = tuple(workers)
     configs = {m.name: m for m in served_models}
@@ -111,11 +143,18 @@ def build_snapshot(
             if name in configs
             else MappingProxyType({}),
             workers=tuple(bucket),
+            max_inflight=configs[name].max_inflight if name in configs else 0,
         )
         for name, bucket in serving.items()
     }
+    serving_now = frozenset(name for name, route in routes.items() if route.workers)
+    alias_routes = {
+        name: AliasRoute.build(name, weights, serving_now)
+        for name, weights in (aliases or {}).items()
+    }
     routable_entries = _routable_model_entries(workers)
     entries = _model_list(routable_entries)
+    entries = _with_aliases(entries, alias_routes, serving_now)
     return Snapshot(
         generation=generation,
         built_at=time.time() if now is None else now,
@@ -125,7 +164,28 @@ def build_snapshot(
         list_models_payload=orjson.dumps({"models": [e["id"] for e in entries]}),
         model_entries=MappingProxyType({e["id"]: e for e in entries}),
         valid_until=valid_until,
+        aliases=MappingProxyType(alias_routes),
+        api_keys=MappingProxyType({k.prefix: k for k in api_keys}),
     )
+
+
+def _with_aliases(
+    entries: list[dict[str, Any]], aliases: Mapping[str, AliasRoute], serving: frozenset[str]
+) -> list[dict[str, Any]]:
+    """The model list with every alias that can serve now, in place of a same-named model."""
+    by_id = {e["id"]: e for e in entries}
+    now = int(time.time())
+    for alias in aliases.values():
+        if not any(target in serving for target, _ in alias.targets):
+            by_id.pop(alias.name, None)
+            continue
+        lengths = [
+            by_id[target]["max_model_len"]
+            for target, _ in alias.live
+            if target in by_id and by_id[target]["max_model_len"]
+        ]
+        by_id[alias.name] = alias_model_entry(alias, now, min(lengths, default=None))
+    return sorted(by_id.values(), key=lambda e: str(e["id"]))
 
 
 def _routable_model_entries(workers: tuple[WorkerView, ...]) -> list[ModelEntry]:

@@ -223,6 +223,14 @@ def add_worker(router: RouterServer) -> Callable[..., Worker]:
 
 @pytest.fixture
 def celery_worker(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    proc = start_celery(tmp_path)
+    yield proc
+    stop_process(proc)
+    print((tmp_path / "celery.log").read_text(errors="replace")[-3000:])
+
+
+def start_celery(tmp_path: Path) -> subprocess.Popen[bytes]:
+    """A Celery worker with beat, on the test database, logging to tmp_path/celery.log."""
     log_path = tmp_path / "celery.log"
     command = [
         sys.executable,
@@ -241,17 +249,14 @@ def celery_worker(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
         "--schedule",
         str(tmp_path / "beat-schedule"),
     ]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
             command,
             cwd=ROOT,
             env=subprocess_env(tmp_path, CONTROLPANEL_PROBE_INTERVAL="0.5"),
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    yield proc
-    stop_process(proc)
-    print(log_path.read_text(errors="replace")[-3000:])
 
 
 StartSimulator = Callable[..., RunningSimulator]

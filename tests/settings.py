@@ -14,6 +14,10 @@ os.environ.setdefault("CONTROLPANEL_UPSTREAM_READ_TIMEOUT", "3")
 os.environ.setdefault("CONTROLPANEL_UPSTREAM_CONNECT_TIMEOUT", "2")
 os.environ.setdefault("CONTROLPANEL_MAX_BODY_BYTES", str(1024 * 1024))
 os.environ.setdefault("CONTROLPANEL_DISCOVERY_TIMEOUT", "2")
+os.environ.setdefault("CONTROLPANEL_ROLLOUT_TICK_SECONDS", "0.5")
+os.environ.setdefault("CONTROLPANEL_EJECT_COOLDOWN", "4")
+os.environ.setdefault("CONTROLPANEL_QUEUE_TIMEOUT", "1.5")
+os.environ.setdefault("CONTROLPANEL_BODY_TIMEOUT", "2")
 
 from controlpanel.settings import *  # noqa: F403
 from controlpanel.settings import DATABASES, VAR_DIR

@@ -53,6 +53,13 @@ def test_serve_demo_runs_everything_and_stops_everything(tmp_path: Path) -> None
         wait_until(both_workers_routable, timeout=60, interval=0.3)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
         assert {m.id for m in client.models.list()} >= {"llama-3.1-8b-instruct", "sql-lora"}
+        wait_until(lambda: "chat" in {m.id for m in client.models.list()})  # the demo alias
+        assert (
+            client.chat.completions.create(
+                model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            ).model
+            == "chat"
+        )
         reply = client.chat.completions.create(
             model="sql-lora", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )

@@ -21,7 +21,7 @@ def test_models_api_lists_and_changes_policies(
     worker = add_worker(simulator("org/m"))
     listed = router.get("/api/models", headers=ADMIN_HEADERS).json()
     assert listed == [
-        {"name": "org/m", "policy": "shortest_queue", "policy_config": {},
+        {"name": "org/m", "policy": "shortest_queue", "policy_config": {}, "max_inflight": 0,
          "workers": [worker.pk], "updated_at": listed[0]["updated_at"]}
     ]  # fmt: skip
     assert "shortest_queue" in router.get("/api/policies", headers=ADMIN_HEADERS).json()

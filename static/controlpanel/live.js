@@ -34,14 +34,22 @@
       var age = Math.max(0, Math.round(now - parseFloat(el.dataset.since)));
       el.textContent = age < 90 ? age + " s ago" : Math.round(age / 60) + " min ago";
     });
+    // A rollout step's hold, counted down here; the server says when it moves on.
+    document.querySelectorAll("[data-until]").forEach(function (el) {
+      var left = Math.round(parseFloat(el.dataset.until) - now);
+      if (left <= 0) el.textContent = "over, checking gates";
+      else el.textContent = (left < 90 ? left + " s" : Math.round(left / 60) + " min") + " left";
+    });
   }
   renderAges();
   setInterval(renderAges, 1000);
 
   var tbody = document.getElementById("fleet-rows");
   var status = document.getElementById("live-status");
-  if (!tbody || !status) return;
-  var singleRow = tbody.dataset.live === "single";
+  var plansBody = document.getElementById("rollout-rows");
+  var plansPanel = document.getElementById("rollout-panels");
+  if (!status || !(tbody || plansBody || plansPanel)) return;
+  var singleRow = tbody && tbody.dataset.live === "single";
 
   function setStatus(text, state) {
     status.hidden = false;
@@ -55,7 +63,29 @@
     return holder.firstElementChild;
   }
 
+  function elementFromHtml(html) {
+    var holder = document.createElement("div");
+    holder.innerHTML = html.trim();
+    return holder.firstElementChild;
+  }
+
+  function applyRollouts(plans) {
+    Object.keys(plans).forEach(function (id) {
+      var row = document.getElementById("rollout-row-" + id);
+      if (row) row.replaceWith(rowFromHtml(plans[id].row));
+      else if (plansBody) plansBody.insertBefore(rowFromHtml(plans[id].row), plansBody.firstChild);
+      var panel = document.getElementById("rollout-panel-" + id);
+      if (panel) panel.replaceWith(elementFromHtml(plans[id].panel));
+    });
+  }
+
   function apply(message) {
+    if (message.rollouts) applyRollouts(message.rollouts);
+    if (tbody && message.rows) applyFleet(message);
+    renderAges();
+  }
+
+  function applyFleet(message) {
     Object.keys(message.rows).forEach(function (id) {
       var fresh = rowFromHtml(message.rows[id]);
       var current = document.getElementById("worker-" + id);
@@ -83,7 +113,6 @@
       var empty = document.getElementById("fleet-empty");
       if (empty) empty.hidden = message.order.length > 0;
     }
-    renderAges();
   }
 
   var retryDelay = 500;

@@ -22,7 +22,8 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from controlpanel import services
+from controlpanel import rollouts, services
+from controlpanel.models import Alias
 
 DEMO_MODELS = [
     # (model, LoRA adapters): two workers share a model so balancing is visible.
@@ -30,7 +31,11 @@ DEMO_MODELS = [
     ("llama-3.1-8b-instruct", ["sql-lora"]),
     ("qwen2.5-7b-instruct", []),
 ]
-STOP_GRACE_SECONDS = 35.0  # above uvicorn's 30 s graceful shutdown for open streams
+# Simulated GPUs per demo worker, as tensor-parallel sizes: one strip of two, one of one.
+DEMO_GPUS = (2, 2, 1)
+DEMO_ALIAS = "chat"
+# Children get this long after SIGTERM beyond the router's own grace for open streams.
+STOP_MARGIN_SECONDS = 5.0
 
 
 class Command(BaseCommand):
@@ -103,7 +108,8 @@ class Command(BaseCommand):
             "uvicorn",
             [python, "-m", "uvicorn", "controlpanel.asgi:application",
              "--host", options["host"], "--port", str(options["port"]),
-             "--lifespan", "on", "--no-access-log", "--timeout-graceful-shutdown", "30"],
+             "--lifespan", "on", "--no-access-log",
+             "--timeout-graceful-shutdown", str(settings.ROUTER_SHUTDOWN_GRACE)],
         )  # fmt: skip
         if not options["no_celery"]:
             self._spawn(
@@ -118,7 +124,8 @@ class Command(BaseCommand):
             port = options["demo_base_port"] + index
             model, loras = DEMO_MODELS[index % len(DEMO_MODELS)]
             simulator = [python, manage, "simulate_vllm", "--port", str(port), "--model", model,
-                         "--ttft-ms", "60", "--itl-ms", "25", "--max-batch", "4"]  # fmt: skip
+                         "--ttft-ms", "60", "--itl-ms", "25", "--max-batch", "4",
+                         "--gpus", str(DEMO_GPUS[index % len(DEMO_GPUS)])]  # fmt: skip
             for lora in loras:
                 simulator += ["--lora", lora]
             self._spawn(f"sim-{index + 1}", simulator)
@@ -126,7 +133,7 @@ class Command(BaseCommand):
                 f"agent-{index + 1}",
                 [python, manage, "worker_agent", "--controller", base,
                  "--worker-url", f"http://127.0.0.1:{port}", "--name", f"demo-{index + 1}",
-                 "--interval", "2"],
+                 "--interval", "2", "--dcgm-url", f"http://127.0.0.1:{port}/dcgm-metrics"],
             )  # fmt: skip
         if options["demo_traffic"] > 0:
             self._spawn(
@@ -135,6 +142,14 @@ class Command(BaseCommand):
                  "--rps", str(options["demo_traffic"])],
             )  # fmt: skip
         self.stdout.write(f"Demo: {options['demo']} simulated workers join through agents.\n")
+        if not Alias.objects.filter(name=DEMO_ALIAS).exists():
+            # Something for the rollouts page: try moving `chat` from llama to qwen.
+            rollouts.alias_create(
+                name=DEMO_ALIAS,
+                targets={DEMO_MODELS[0][0]: 100},
+                description="demo alias: plan a rollout to qwen2.5-7b-instruct",
+                actor="demo",
+            )
 
     def _spawn(self, name: str, command: list[str]) -> None:
         self.children.append((name, subprocess.Popen(command, env=self.env)))
@@ -150,7 +165,7 @@ class Command(BaseCommand):
         for _, child in self.children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        deadline = time.monotonic() + settings.ROUTER_SHUTDOWN_GRACE + STOP_MARGIN_SECONDS
         for name, child in self.children:
             try:
                 child.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -20,6 +20,11 @@ class Command(BaseCommand):
             "--interval", type=float, default=None, help="seconds between heartbeats"
         )
         parser.add_argument(
+            "--dcgm-url",
+            default="",
+            help="this worker's DCGM exporter, e.g. http://127.0.0.1:9400/metrics (optional)",
+        )
+        parser.add_argument(
             "--token",
             default=None,
             help="worker token (default: $CONTROLPANEL_WORKER_TOKEN)",
@@ -33,6 +38,7 @@ class Command(BaseCommand):
             token=options["token"] or settings.CONTROLPANEL_WORKER_TOKEN,
             name=options["name"],
             interval=options["interval"],
+            dcgm_url=options["dcgm_url"],
         )
         agent.install_signal_handlers()
         agent.run()

@@ -26,6 +26,12 @@ which no router on this stack can go below. One caveat: the floor does not tune 
 collector as the router does (``gc.freeze()`` and a higher young-generation threshold), so
 on that count alone the router can be a little cheaper than the floor.
 
+``bench/routing_policies.py`` also sends its oracle's assignment through this proxy (its
+``floor_oracle`` mode): a path ``/upstream/<i>/v1/...`` is forwarded as ``/v1/...`` to
+upstream *i* (from 0, in ``FLOOR_UPSTREAMS`` order) of the request's model instead of the next
+one in turn. That costs one ``str.startswith`` per request, and no router can pick a worker
+for less.
+
 Configuration, from the environment:
 
 ``FLOOR_UPSTREAMS``
@@ -53,6 +59,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 ANY_MODEL = ""
+PIN = "/upstream/"  # /upstream/<i>/...: to upstream i (bench/routing_policies.py)
 MAX_CONNECTIONS = 2048
 REQUEST_HEADERS = {"Content-Type": "application/json"}
 
@@ -71,6 +78,7 @@ def parse_upstreams(spec: str) -> dict[str, list[str]]:
 
 class FloorProxy:
     def __init__(self, upstreams: dict[str, list[str]]) -> None:
+        self.upstreams = upstreams
         self.cycles: dict[str, Iterator[str]] = {
             model: itertools.cycle(urls) for model, urls in upstreams.items() if urls
         }
@@ -112,7 +120,12 @@ class FloorProxy:
         # An unknown model raises KeyError, which uvicorn answers with a 500.
         cycle = self.cycles.get(model) or self.cycles[ANY_MODEL]
         assert self.session is not None, "uvicorn must run with --lifespan on"
-        url = next(cycle) + scope["path"]
+        path = scope["path"]
+        if path.startswith(PIN):
+            index, _, rest = path.removeprefix(PIN).partition("/")
+            url = (self.upstreams.get(model) or self.upstreams[ANY_MODEL])[int(index)] + "/" + rest
+        else:
+            url = next(cycle) + path
         async with self.session.post(url, data=body, headers=REQUEST_HEADERS) as upstream:
             headers = [(k, v) for k, v in upstream.raw_headers if k.lower() not in RESPONSE_DROP]
             await send(

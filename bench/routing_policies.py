@@ -20,12 +20,17 @@ Workloads (seeded, identical for every policy and baseline):
 * ``skewed``: like ``prefix`` (same request count), but half of the users share one hot system
   prompt and the other half are spread over 15 other groups.
 
-Modes: every selected policy through the router (switched with ``PATCH /api/models/{name}``;
-unregistered policies are skipped with a note), plus two baselines sent straight to the workers:
-``client_rr`` (request i goes to worker i mod 4) and ``client_oracle`` (group g always goes to
-worker g mod 4). Before every run all workers get ``POST /sim/reset`` (cold caches, zeroed
-counters) and the router's policy instance is a fresh one (a policy is switched away and back if
-the previous run used the same one), so each run starts cold.
+Modes: every selected policy through the router (switched with ``PATCH /api/models/{name}``,
+with the ``policy_config`` of POLICY_CONFIGS: prefix_aware's load thresholds sized for these
+workers' batch of 8; ``prefix_aware@defaults`` runs it with ``{}``; unregistered policies are
+skipped with a note), plus two baselines sent straight to the workers: ``client_rr`` (request
+i goes to worker i mod 4) and ``client_oracle`` (group g always goes to worker g mod 4), and
+``floor_oracle``: the oracle's assignment through ``bench/floor_proxy.py``, the cheapest proxy
+on the router's stack, which shows what any proxy hop costs on this machine. Targets are judged
+on the median over rounds of per-round ratios. Before every run all workers get ``POST
+/sim/reset`` (cold caches, zeroed counters) and the router's policy instance is a fresh one (a
+policy is switched away and back if the previous run used the same one and config), so each
+run starts cold.
 
 Figures per run: TTFT (send to the first SSE chunk carrying content) mean / p50 / p99,
 throughput (successful requests / wall time), the fleet-wide prefix-cache hit rate from the
@@ -118,6 +123,14 @@ AFFINITY_POLL_S = 0.1
 AFFINITY_THINK_S = 0.25  # pause between a session's turns, so the phase outlasts the drain
 SIM_LOG_WINDOW = 50  # /sim/stats shows the last 50 logged requests per worker
 
+# Policy configurations (policy_config), by mode. prefix_aware's load thresholds are in
+# requests and scale with how many requests a worker runs at once: half of MAX_BATCH, not
+# SGLang's 32, which the whole benchmark (32 in flight) can never reach. The mode
+# "prefix_aware@defaults" runs it with {} too, to show what the defaults do here.
+DEFAULTS_SUFFIX = "@defaults"
+POLICY_CONFIGS: dict[str, dict[str, Any]] = {
+    "prefix_aware": {"balance_abs_threshold": MAX_BATCH // 2, "balance_rel_threshold": 1.5},
+}
 ALL_POLICIES = (
     "round_robin",
     "random",
@@ -126,8 +139,13 @@ ALL_POLICIES = (
     "least_kv",
     "session_affinity",
     "prefix_aware",
+    "prefix_aware@defaults",
 )
 BASELINES = ("client_rr", "client_oracle")
+# The oracle's assignment through bench/floor_proxy.py (uvicorn + aiohttp and nothing else):
+# what any proxy on this stack adds on this machine, to read the router-vs-oracle target by.
+FLOOR_MODES = ("floor_oracle",)
+DIRECT_MODES = (*BASELINES, *FLOOR_MODES)  # modes that do not go through the router
 WORKLOADS = ("prefix", "uniform", "skewed")
 DEFAULT_POLICY = "shortest_queue"
 
@@ -148,6 +166,17 @@ PEER_FIGURES = (
 )
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+FLOOR_PIN = "/upstream/"  # bench/floor_proxy.py: /upstream/<i>/v1/... goes to upstream i
+
+
+def policy_of(mode: str) -> str:
+    """The policy name a router mode runs ("prefix_aware@defaults" -> "prefix_aware")."""
+    return mode.removesuffix(DEFAULTS_SUFFIX)
+
+
+def config_of(mode: str) -> dict[str, Any]:
+    """The policy_config a router mode runs with."""
+    return {} if mode.endswith(DEFAULTS_SUFFIX) else POLICY_CONFIGS.get(mode, {})
 
 
 # --------------------------------------------------------------------------- workloads
@@ -352,6 +381,8 @@ class Fleet:
     workers: list[str]  # base URLs, index = worker number
     worker_ids: list[int]  # router database ids, same order
     cache_blocks: int
+    floor: str  # bench/floor_proxy.py, for floor_oracle
+    floor_pid: int
 
 
 def start_sim(fleet: oh.Fleet, name: str, port: int, cache_blocks: int) -> None:
@@ -392,16 +423,24 @@ async def start_fleet(proc: oh.Fleet, cache_blocks: int) -> Fleet:
     start_celery(proc)
     router = f"http://{HOST}:{ports[0]}"
     workers = [f"http://{HOST}:{p}" for p in ports[1:]]
+    floor_port = oh.free_ports(1)[0]
+    floor_pid = oh.start_floor(proc, floor_port, {MODEL: workers})
+    floor = f"http://{HOST}:{floor_port}"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         for url in [*workers, router]:
             await oh.wait_until(
                 f"{url}/health", partial(oh.http_ok, session, url + "/health"), proc
             )
+        ping = [{"role": "user", "content": "ping"}]
+        probe = orjson.dumps({"model": MODEL, "messages": ping, "max_tokens": 1})
+        url = f"{floor}{FLOOR_PIN}0/v1/chat/completions"
+        await oh.wait_until(f"{floor} (floor)", partial(oh.post_ok, session, url, probe), proc)
         await oh.register_workers(session, proc, router, workers)
         async with session.get(f"{router}/list_workers") as resp:
             listed = orjson.loads(await resp.read())["workers"]
     by_url = {w["url"].rstrip("/"): w["id"] for w in listed}
-    return Fleet(proc, router, router_pid, workers, [by_url[u] for u in workers], cache_blocks)
+    ids = [by_url[u] for u in workers]
+    return Fleet(proc, router, router_pid, workers, ids, cache_blocks, floor, floor_pid)
 
 
 # --------------------------------------------------------------------------- CPU readings
@@ -435,27 +474,34 @@ def cpu_seconds(pids: list[int]) -> float:
 
 @dataclass(frozen=True)
 class CpuMark:
-    """CPU counters around a run: the router's, all of this benchmark's, the machine's."""
+    """CPU counters around a run: the proxy's, this benchmark's by process group (load
+    generator, workers, router, floor, celery), the machine's."""
 
     router: float
-    ours: float
+    groups: dict[str, float]
     busy: int
     total: int
 
     @classmethod
-    def take(cls, fleet: Fleet) -> CpuMark:
-        pids = descendants([proc.pid for _, proc in fleet.proc.procs])
+    def take(cls, fleet: Fleet, proxy_pid: int) -> CpuMark:
+        """`router` is the CPU of `proxy_pid`: the router, or the floor proxy."""
+        groups = {"load generator": time.process_time()}
+        for name, proc in fleet.proc.procs:
+            group = "workers" if name.startswith("worker") else name
+            groups[group] = groups.get(group, 0.0) + cpu_seconds(descendants([proc.pid]))
         busy, total = oh.machine_ticks()
-        ours = cpu_seconds(pids) + time.process_time()
-        return cls(cpu_seconds([fleet.router_pid]), ours, busy, total)
+        return cls(cpu_seconds([proxy_pid]), groups, busy, total)
 
 
-def cpu_figures(before: CpuMark, after: CpuMark) -> tuple[float, float, float]:
-    """(router CPU seconds, machine busy %, busy % of processes not in this benchmark)."""
+def cpu_figures(before: CpuMark, after: CpuMark) -> tuple[float, float, float, dict[str, float]]:
+    """(router CPU seconds, machine busy %, busy % of processes not in this benchmark, CPU
+    seconds by process group)."""
     ticks = max(after.total - before.total, 1)
     busy_s = (after.busy - before.busy) / oh.CLK_TCK
-    other = 100 * (busy_s - (after.ours - before.ours)) * oh.CLK_TCK / ticks
-    return after.router - before.router, 100 * (after.busy - before.busy) / ticks, max(0.0, other)
+    groups = {k: v - before.groups.get(k, 0.0) for k, v in after.groups.items()}
+    other = 100 * (busy_s - sum(groups.values())) * oh.CLK_TCK / ticks
+    busy_pct = 100 * (after.busy - before.busy) / ticks
+    return after.router - before.router, busy_pct, max(0.0, other), groups
 
 
 # --------------------------------------------------------------------------- worker counters
@@ -539,7 +585,8 @@ def admin_headers(fleet: Fleet) -> dict[str, str]:
 
 
 class PolicySwitch:
-    """Switches MODEL's policy through the admin API, and knows which one is in force."""
+    """Switches MODEL's policy through the admin API, and knows which mode (policy and
+    config, see config_of) is in force."""
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
@@ -565,29 +612,32 @@ class PolicySwitch:
                     f"available, only the default policy ({DEFAULT_POLICY}) is measured"
                 )
 
-    async def patch(self, session: aiohttp.ClientSession, policy: str) -> tuple[int, str]:
+    async def patch(self, session: aiohttp.ClientSession, mode: str) -> tuple[int, str]:
         url = f"{self.fleet.router}/api/models/{MODEL}"
-        body = {"policy": policy, "policy_config": {}}
+        body = {"policy": policy_of(mode), "policy_config": config_of(mode)}
         async with session.patch(url, json=body, headers=admin_headers(self.fleet)) as resp:
             return resp.status, (await resp.text())[:300]
 
-    async def wait_applied(self, session: aiohttp.ClientSession, policy: str) -> None:
+    async def wait_applied(self, session: aiohttp.ClientSession, mode: str) -> None:
         url = f"{self.fleet.router}/api/models/{MODEL}"
+        want = {"policy": policy_of(mode), "policy_config": config_of(mode)}
         deadline = time.monotonic() + POLICY_POLL_S
         while time.monotonic() < deadline:
             async with session.get(url, headers=admin_headers(self.fleet)) as resp:
-                if resp.status == 200 and orjson.loads(await resp.read())["policy"] == policy:
+                got = orjson.loads(await resp.read()) if resp.status == 200 else {}
+                if all(got.get(k, v) == v for k, v in want.items()):
                     break
             await asyncio.sleep(0.1)
         await asyncio.sleep(POLICY_SETTLE_S)  # the router polls its store every 0.25 s
 
-    async def use(self, session: aiohttp.ClientSession, policy: str) -> str | None:
-        """Make `policy` the one in force, as a fresh instance; None, or why it is skipped."""
+    async def use(self, session: aiohttp.ClientSession, mode: str) -> str | None:
+        """Make `mode` the one in force, as a fresh instance; None, or why it is skipped."""
+        policy = policy_of(mode)
         if not self.available:
-            return None if policy == DEFAULT_POLICY else "policy switching is not available"
+            return None if mode == DEFAULT_POLICY else "policy switching is not available"
         if self.registered is not None and policy not in self.registered:
             return f"not registered (GET /api/policies: {', '.join(self.registered)})"
-        if policy == self.current:
+        if mode == self.current:
             # Same name and config: the router would keep the old instance and what it learnt.
             other = next(
                 (p for p in (self.registered or [DEFAULT_POLICY, "round_robin"]) if p != policy),
@@ -598,12 +648,12 @@ class PolicySwitch:
                 if status == 200:
                     self.current = other
                     await self.wait_applied(session, other)
-        if policy != self.current:
-            status, text = await self.patch(session, policy)
+        if mode != self.current:
+            status, text = await self.patch(session, mode)
             if status != 200:
                 return f"PATCH answered HTTP {status}: {text}"
-            self.current = policy
-            await self.wait_applied(session, policy)
+            self.current = mode
+            await self.wait_applied(session, mode)
         return None
 
 
@@ -752,13 +802,14 @@ class Measured:
     router_cpu_s: float
     machine_busy_pct: float
     other_busy_pct: float
+    cpu_by_group_s: dict[str, float]
 
 
 @dataclass
 class RunResult:
     workload: str
     mode: str  # a policy name or a baseline
-    kind: str  # "router" or "client"
+    kind: str  # "router", "client" or "floor"
     rounds: int
     requests: int
     ok: int
@@ -781,6 +832,7 @@ class RunResult:
     router_cpu_ms_per_req: float
     machine_busy_pct: float  # mean over rounds
     other_busy_pct_max: float  # worst round
+    cpu_ms_per_req: dict[str, float]  # by process group, over all rounds
 
 
 def summarize(workload: str, mode: str, runs: list[Measured]) -> RunResult:
@@ -800,7 +852,7 @@ def summarize(workload: str, mode: str, runs: list[Measured]) -> RunResult:
     return RunResult(
         workload=workload,
         mode=mode,
-        kind="client" if mode in BASELINES else "router",
+        kind="client" if mode in BASELINES else "floor" if mode in FLOOR_MODES else "router",
         rounds=len(runs),
         requests=sum(m.samples.sent for m in runs),
         ok=len(ttft),
@@ -825,6 +877,12 @@ def summarize(workload: str, mode: str, runs: list[Measured]) -> RunResult:
         / max(sum(m.samples.sent for m in runs), 1),
         machine_busy_pct=statistics.fmean(m.machine_busy_pct for m in runs),
         other_busy_pct_max=max(m.other_busy_pct for m in runs),
+        cpu_ms_per_req={
+            group: 1000
+            * sum(m.cpu_by_group_s.get(group, 0.0) for m in runs)
+            / max(sum(m.samples.sent for m in runs), 1)
+            for group in runs[0].cpu_by_group_s
+        },
     )
 
 
@@ -833,7 +891,29 @@ def pickers(fleet: Fleet) -> dict[str, Picker]:
     return {
         "client_rr": lambda s: fleet.workers[next(rr) % N_WORKERS],
         "client_oracle": lambda s: fleet.workers[s.group % N_WORKERS],
+        "floor_oracle": lambda s: f"{fleet.floor}{FLOOR_PIN}{s.group % N_WORKERS}",
     }
+
+
+CELERY_RESTARTS: list[str] = []  # when and why, for the report
+
+
+def revive_celery(fleet: Fleet) -> None:
+    """Restart the Celery worker if it died. Under heavy CPU load kombu's filesystem broker
+    (the embedded default) has been seen to crash it, reading a message file that was not
+    written out yet (JSONDecodeError in kombu/transport/filesystem.py); the runs only need
+    its probes and drain housekeeping, so one lost worker should not lose the benchmark.
+    Restarts are listed in the report."""
+    procs = fleet.proc.procs
+    for i, (name, proc) in enumerate(procs):
+        if name == "celery" and proc.poll() is not None:
+            tail = fleet.proc.log_tail(name).strip().splitlines()
+            why = tail[-1] if tail else "no log"
+            CELERY_RESTARTS.append(f"{datetime.now(UTC):%H:%M:%S}: exit {proc.returncode}, {why}")
+            log(f"  celery exited ({why}); restarting it")
+            del procs[i]
+            start_celery(fleet.proc)
+            return
 
 
 async def run_one(
@@ -841,14 +921,17 @@ async def run_one(
 ) -> Measured:
     """One run from cold caches: reset, counters before, the workload, counters after."""
     await reset_workers(http, fleet)
-    router = mode not in BASELINES
+    router = mode not in DIRECT_MODES
     pick: Picker = (lambda s: fleet.router) if router else pickers(fleet)[mode]
+    proxy_pid = fleet.floor_pid if mode in FLOOR_MODES else fleet.router_pid
     before = await read_fleet(http, fleet)
     decisions_before = await router_decisions(http, fleet) if router else {}
+    revive_celery(fleet)
     fleet.proc.check_alive()
-    cpu_before = CpuMark.take(fleet)
+    cpu_before = CpuMark.take(fleet, proxy_pid)
     samples, wall = await run_sessions(workload, pick, CONCURRENCY, tag)
-    router_cpu, machine_busy, other_busy = cpu_figures(cpu_before, CpuMark.take(fleet))
+    cpu_after = CpuMark.take(fleet, proxy_pid)
+    router_cpu, machine_busy, other_busy, by_group = cpu_figures(cpu_before, cpu_after)
     after = await read_fleet(http, fleet)
     decisions_after = await router_decisions(http, fleet) if router else {}
     pairs = list(zip(after, before, strict=True))
@@ -867,6 +950,7 @@ async def run_one(
         router_cpu_s=router_cpu,
         machine_busy_pct=machine_busy,
         other_busy_pct=other_busy,
+        cpu_by_group_s=by_group,
     )
 
 
@@ -1106,14 +1190,14 @@ async def benchmark(args: argparse.Namespace, proc: oh.Fleet) -> dict[str, Any]:
         for name in names:
             workload = workloads[name]
             log(f"workload {name}: {workload.requests} requests ({workload.description})")
-            modes = [*BASELINES, *args.policies]
+            modes = [*DIRECT_MODES, *args.policies]
             measured: dict[str, list[Measured]] = {m: [] for m in modes}
             for r in range(args.rounds):
                 k = r % len(modes)
                 for mode in modes[k:] + modes[:k]:  # rotate the order from round to round
                     if mode in skipped:
                         continue
-                    if mode not in BASELINES:
+                    if mode not in DIRECT_MODES:
                         why = await switch.use(http, mode)
                         if why is not None:
                             skipped[mode] = why
@@ -1145,6 +1229,7 @@ async def benchmark(args: argparse.Namespace, proc: oh.Fleet) -> dict[str, Any]:
         "rounds_detail": details,
         "skipped": skipped,
         "policy_api_notes": switch.notes,
+        "celery_restarts": CELERY_RESTARTS,
         "registered_policies": switch.registered,
         "affinity": affinity,
     }
@@ -1167,71 +1252,91 @@ def find(runs: list[dict[str, Any]], workload: str, mode: str) -> dict[str, Any]
     return next((r for r in runs if r["workload"] == workload and r["mode"] == mode), None)
 
 
+KIND_NOTES = {
+    "client": " (baseline, no router)",
+    "floor": " (the oracle's assignment through the floor proxy)",
+}
+
+
 def workload_table(runs: list[dict[str, Any]], workload: str) -> list[str]:
     lines = [
         "| mode | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | req/s | prefix hit rate "
-        "| requests per worker | errors | router CPU ms/req | policy decisions |",
+        "| requests per worker | errors | proxy CPU ms/req | policy decisions |",
         "|---|--:|--:|--:|--:|--:|---|--:|--:|---|",
     ]
     for r in runs:
         if r["workload"] != workload:
             continue
-        label = r["mode"] + (" (baseline, no router)" if r["kind"] == "client" else "")
+        label = r["mode"] + KIND_NOTES.get(r["kind"], "")
         decisions = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["decisions"].items())) or "-"
         lines.append(
             f"| {label} | {fmt(r['ttft_mean_ms'])} | {fmt(r['ttft_p50_ms'])} "
             f"| {fmt(r['ttft_p99_ms'])} | {fmt(r['rps'])} | {fmt(r['hit_rate'], 3)} "
             f"| {' / '.join(str(n) for n in r['per_worker'])} | {r['errors']} "
-            f"| {fmt(r['router_cpu_ms_per_req'], 2) if r['kind'] == 'router' else '-'} "
+            f"| {fmt(r['router_cpu_ms_per_req'], 2) if r['kind'] != 'client' else '-'} "
             f"| {decisions} |"
         )
     return lines
 
 
+def per_round(
+    details: list[dict[str, Any]], workload: str, mode: str, key: str
+) -> dict[int, float]:
+    """round -> `key` of one mode's run in that round."""
+    return {d["round"]: d[key] for d in details if d["workload"] == workload and d["mode"] == mode}
+
+
+def round_ratios(
+    details: list[dict[str, Any]], workload: str, mode: str, base: str, key: str
+) -> list[float]:
+    """`key` of `mode` over `base`'s, per round (both ran in it, minutes apart at most)."""
+    a, b = per_round(details, workload, mode, key), per_round(details, workload, base, key)
+    return [a[r] / b[r] for r in sorted(a) if b.get(r)]
+
+
 def ratio_row(
-    label: str, value: dict[str, Any] | None, base: dict[str, Any] | None, key: str,
+    label: str, result: dict[str, Any], workload: str, mode: str, base: str, key: str,
     limit: float, higher_is_better: bool = False,
 ) -> tuple[str, str, str, bool | None]:  # fmt: skip
-    if value is None or base is None:
+    """A target on the median over rounds of the per-round ratio (the pooled figures are
+    shown too); per-round ratios cancel the drift of a shared machine between rounds."""
+    ratios = round_ratios(result["rounds_detail"], workload, mode, base, key)
+    value, ref = find(result["runs"], workload, mode), find(result["runs"], workload, base)
+    if not ratios or value is None or ref is None:
         return label, "not measured", "", None
-    v, b = value[key], base[key]
-    ratio = v / b if b else math.nan
-    measured = f"{v:.1f} vs {b:.1f} ({ratio:.2f}x)"
+    ratio = statistics.median(ratios)
+    measured = (
+        f"median {ratio:.2f}x ({' / '.join(f'{x:.2f}' for x in ratios)}); pooled "
+        f"{value[key]:.1f} vs {ref[key]:.1f}"
+    )
     if higher_is_better:
         return label, measured, f">= {limit:.2f}x", ratio >= limit
     return label, measured, f"<= {limit:.2f}x", ratio <= limit
 
 
 def target_rows(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
-    runs = result["runs"]
-    pa = partial(find, runs, mode="prefix_aware")
-    sq = partial(find, runs, mode="shortest_queue")
     rows: list[tuple[str, str, str, bool | None]] = []
-    prefix_pa = pa("prefix")
-    if prefix_pa is None:
+    hits = per_round(result["rounds_detail"], "prefix", "prefix_aware", "hit_rate")
+    if not hits:
         rows.append(("prefix: prefix_aware hit rate", "not measured", "", None))
     else:
-        hit = prefix_pa["hit_rate"]
+        hit = statistics.median(hits.values())
         rows.append(
-            ("prefix: prefix_aware hit rate", f"{hit:.3f}", f">= {HIT_RATE_TARGET}",
+            ("prefix: prefix_aware hit rate", f"median {hit:.3f} "
+             f"({' / '.join(f'{x:.3f}' for x in hits.values())})", f">= {HIT_RATE_TARGET}",
              hit >= HIT_RATE_TARGET)
         )  # fmt: skip
-    rows.append(
-        ratio_row("prefix: prefix_aware mean TTFT vs client oracle (ms)", prefix_pa,
-                  find(runs, "prefix", "client_oracle"), "ttft_mean_ms", TTFT_VS_ORACLE)
-    )  # fmt: skip
-    rows.append(
-        ratio_row("skewed: prefix_aware p99 TTFT vs shortest_queue (ms)", pa("skewed"),
-                  sq("skewed"), "ttft_p99_ms", SKEW_P99_VS_SQ)
-    )  # fmt: skip
-    rows.append(
-        ratio_row("uniform: prefix_aware throughput vs shortest_queue (req/s)", pa("uniform"),
-                  sq("uniform"), "rps", 1 - UNIFORM_TOLERANCE, higher_is_better=True)
-    )  # fmt: skip
-    rows.append(
-        ratio_row("uniform: prefix_aware p99 TTFT vs shortest_queue (ms)", pa("uniform"),
-                  sq("uniform"), "ttft_p99_ms", 1 + UNIFORM_TOLERANCE)
-    )  # fmt: skip
+    pa, sq = "prefix_aware", "shortest_queue"
+    rows += [
+        ratio_row("prefix: prefix_aware mean TTFT vs client oracle", result, "prefix", pa,
+                  "client_oracle", "ttft_mean_ms", TTFT_VS_ORACLE),
+        ratio_row("skewed: prefix_aware p99 TTFT vs shortest_queue", result, "skewed", pa, sq,
+                  "ttft_p99_ms", SKEW_P99_VS_SQ),
+        ratio_row("uniform: prefix_aware throughput vs shortest_queue", result, "uniform", pa, sq,
+                  "rps", 1 - UNIFORM_TOLERANCE, higher_is_better=True),
+        ratio_row("uniform: prefix_aware p99 TTFT vs shortest_queue", result, "uniform", pa, sq,
+                  "ttft_p99_ms", 1 + UNIFORM_TOLERANCE),
+    ]  # fmt: skip
     aff = result["affinity"]
     if aff is None:
         rows.append(("session_affinity: turns on the session's worker", "not measured", "", None))
@@ -1258,20 +1363,66 @@ def target_rows(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None
     return rows
 
 
-def router_hop_line(runs: list[dict[str, Any]]) -> str | None:
+def hop_lines(result: dict[str, Any]) -> list[str]:
     """What the extra hop costs on this machine, to read the router-vs-oracle target by."""
+    runs, details = result["runs"], result["rounds_detail"]
+    lines = []
     via, direct = find(runs, "uniform", "round_robin"), find(runs, "uniform", "client_rr")
-    if via is None or direct is None:
-        return None
-    return (
-        "Router hop on this machine (uniform, round_robin through the router vs client_rr "
-        f"straight to the workers, same assignment): TTFT mean {fmt(via['ttft_mean_ms'])} vs "
-        f"{fmt(direct['ttft_mean_ms'])} ms ({via['ttft_mean_ms'] - direct['ttft_mean_ms']:+.1f}"
-        f" ms), throughput {fmt(via['rps'])} vs {fmt(direct['rps'])} req/s "
-        f"({via['rps'] / direct['rps']:.2f}x). The router shares the "
-        f"{len(os.sched_getaffinity(0))} CPUs with the workers and the load generator, so this "
-        "includes CPU contention."
-    )
+    if via is not None and direct is not None:
+        lines.append(
+            "* Router hop (uniform, round_robin through the router vs client_rr straight to "
+            f"the workers, same assignment): TTFT mean {fmt(via['ttft_mean_ms'])} vs "
+            f"{fmt(direct['ttft_mean_ms'])} ms "
+            f"({via['ttft_mean_ms'] - direct['ttft_mean_ms']:+.1f} ms), throughput "
+            f"{fmt(via['rps'])} vs {fmt(direct['rps'])} req/s ({via['rps'] / direct['rps']:.2f}x)."
+        )
+    for mode in ("floor_oracle", "prefix_aware"):
+        ratios = round_ratios(details, "prefix", mode, "client_oracle", "ttft_mean_ms")
+        row = find(runs, "prefix", mode)
+        oracle = find(runs, "prefix", "client_oracle")
+        if not ratios or row is None or oracle is None:
+            continue
+        what = (
+            "the oracle's assignment through the floor proxy (uvicorn + aiohttp, no routing)"
+            if mode == "floor_oracle"
+            else "prefix_aware through the router"
+        )
+        lines.append(
+            f"* prefix, {what} vs the client oracle: TTFT mean {fmt(row['ttft_mean_ms'])} vs "
+            f"{fmt(oracle['ttft_mean_ms'])} ms pooled "
+            f"({row['ttft_mean_ms'] - oracle['ttft_mean_ms']:+.1f} ms), median per-round ratio "
+            f"{statistics.median(ratios):.2f}x ({' / '.join(f'{x:.2f}' for x in ratios)})."
+        )
+    if lines:
+        lines.append(
+            f"* The proxies share the {len(os.sched_getaffinity(0))} CPUs with the workers and "
+            "the load generator, so these include CPU contention. If the floor proxy alone "
+            f"exceeds {TTFT_VS_ORACLE:.2f}x the client oracle, no proxy on this stack can meet "
+            "the mean-TTFT target on this machine, whatever it routes."
+        )
+    return lines
+
+
+def cpu_table(result: dict[str, Any]) -> list[str]:
+    """Where the CPU goes on `prefix`, per request, by process group (pooled rounds)."""
+    runs = [r for r in result["runs"] if r["workload"] == "prefix"]
+    groups = ["load generator", "workers", "router", "floor", "celery"]
+    lines = [
+        "CPU per request on `prefix` by process (ms; the machine has "
+        f"{len(os.sched_getaffinity(0))} CPUs, so 1 s of wall time holds "
+        f"{len(os.sched_getaffinity(0)) * 1000} ms):",
+        "",
+        f"| mode | {' | '.join(groups)} | all | machine busy % |",
+        f"|---|{'--:|' * (len(groups) + 2)}",
+    ]
+    for r in runs:
+        cpu = r["cpu_ms_per_req"]
+        cells = " | ".join(fmt(cpu.get(g), 2) for g in groups)
+        lines.append(
+            f"| {r['mode']} | {cells} | {fmt(sum(cpu.values()), 2)} "
+            f"| {fmt(r['machine_busy_pct'], 0)} |"
+        )
+    return lines
 
 
 def affinity_lines(aff: dict[str, Any]) -> list[str]:
@@ -1327,9 +1478,9 @@ def report(result: dict[str, Any]) -> str:
     lines += ["", "### Targets", "", "| target | measured | limit | result |", "|---|---|--:|:-:|"]
     for label, value, limit, ok in target_rows(result):
         lines.append(f"| {label} | {value} | {limit} | {mark(ok)} |")
-    hop = router_hop_line(result["runs"])
+    hop = hop_lines(result)
     if hop:
-        lines += ["", hop]
+        lines += ["", "What the hop costs on this machine:", "", *hop, "", *cpu_table(result)]
     if result["affinity"] is not None:
         lines += ["", *affinity_lines(result["affinity"])]
     lines += [
@@ -1343,8 +1494,10 @@ def report(result: dict[str, Any]) -> str:
     ]
     notes = [f"{p} skipped: {why}" for p, why in result["skipped"].items()]
     notes += result["policy_api_notes"]
+    notes += [f"the Celery worker died and was restarted: {r}" for r in result["celery_restarts"]]
     for r in result["runs"]:
-        if r["kind"] == "router" and r["policy_seen"] and r["policy_seen"] != [r["mode"]]:
+        seen = r["policy_seen"]
+        if r["kind"] == "router" and seen and seen != [policy_of(r["mode"])]:
             notes.append(
                 f"{r['workload']}/{r['mode']}: the router's decision counters name "
                 f"{', '.join(r['policy_seen'])}"

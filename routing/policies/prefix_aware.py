@@ -6,20 +6,33 @@ chat, the same system prompt or document) is much cheaper on the worker that ser
 earlier one. The router cannot see the workers' caches; like SGLang's `cache_aware` policy
 it keeps an approximate picture of them: for each worker, the prompts recently sent there.
 
-The rule (SGLang's `cache_aware`, per request, among the routable workers given)
-------------------------------------------------------------------------------------
-1. Load is in-flight requests on this router plus the worker's reported queue length, as
-   in shortest_queue. If the load is imbalanced, i.e. ``max_load - min_load >
-   balance_abs_threshold`` *and* ``max_load > balance_rel_threshold * min_load``, take the
-   least loaded worker: decision ``"load"``. (A hot prefix keeps a worker busy; past the
-   thresholds, spreading it beats the cache hit.)
-2. Otherwise find the worker whose recent prompts share the longest prefix with this one.
-   If the match covers at least ``cache_threshold`` of the prompt, take that worker (the
-   least loaded one if several match as far): decision ``"prefix"``.
-3. Otherwise take the worker with the smallest tree (the fewest remembered prompt chunks,
-   so probably the most free cache; a new worker starts empty and so warms up first), the
-   least loaded among equals: decision ``"smallest_tree"``, a reason of its own so
-   /metrics tells cache misses from load balancing.
+The rule (SGLang's `cache_aware`, with a per-worker load guard; among the workers given)
+--------------------------------------------------------------------------------------
+Load is in-flight requests on this router plus the worker's reported queue length, as in
+shortest_queue.
+
+1. Find the worker whose recent prompts share the longest prefix with this one. If the
+   match covers at least ``cache_threshold`` of the prompt, the candidate is that worker
+   (the least loaded one if several match as far): decision ``"prefix"``.
+2. Otherwise it is a cache miss wherever it goes: take the least loaded worker, and among
+   equally loaded ones the one with the smallest tree (the fewest remembered prompt chunks,
+   so probably the most free cache; a new worker starts empty and so warms up first):
+   decision ``"miss"``, a reason of its own so /metrics tells cache misses from load
+   balancing. (SGLang takes the smallest tree first; with nothing cached to win, the queue
+   is all that this request's latency depends on, so load comes first here.)
+3. The load guard (rule 1's candidate): if the candidate is overloaded, i.e. ``load - min_load >
+   balance_abs_threshold`` *and* ``load > balance_rel_threshold * min_load`` (``min_load``
+   over all the workers given), take the least loaded worker instead: decision ``"load"``.
+   A hot prefix (one system prompt carrying half the traffic) would otherwise queue on one
+   worker; past the thresholds a queue costs more than re-reading the prefix elsewhere,
+   and once the least loaded worker has taken such a request it holds the prefix too, so
+   the next ones split between the holders by load (rule 1) with no further misses.
+
+SGLang checks the imbalance over the whole fleet (``max_load`` instead of the candidate's
+load) and then routes *every* request by load, so one hot worker also sends away requests
+whose own worker is idle, each a cache miss; the guard here moves only the requests that
+would join the overloaded worker. The thresholds are in requests, so they depend on how
+many requests a worker runs at once (its batch): past it, requests queue at the worker.
 
 Ties left after those keys are broken at random. A request with no prompt text goes to the
 least loaded worker (``"load"``). Whatever the reason, the chosen worker is then credited
@@ -76,10 +89,16 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     to route by prefix. 0 routes by prefix whenever at least one chunk matches; 1 only
     when the whole prompt matches.
 ``balance_abs_threshold`` (number >= 0, default 32)
-    Load imbalance in requests (``max_load - min_load``) that must be *exceeded*, together
-    with the relative one, to route by load instead of by cache.
+    How many requests more than the least loaded worker the candidate must *exceed*,
+    together with the relative threshold, for the request to go by load instead. The
+    default is SGLang's, for GPU workers that run dozens to hundreds of sequences at once;
+    with smaller batches set it lower, to about half the workers' batch (e.g. 4 for
+    workers that run 8 at once, as in bench/routing_policies.py): 32 then never triggers
+    and a hot prefix queues on one worker. 0 with a relative threshold of 1 is plain
+    shortest-queue whenever loads differ.
 ``balance_rel_threshold`` (number >= 1, default 1.1)
-    ``max_load`` must also exceed this multiple of ``min_load``.
+    The candidate's load must also exceed this multiple of the least loaded worker's, so
+    that at high load a difference of a few requests does not cost a cache miss.
 ``chunk_chars`` (int in [8, 65536], default 128)
     Characters per chunk, the matching granularity. A vLLM prefix-cache block is 16 tokens,
     about 64-80 characters of English, so 128 is about two blocks: matching to the
@@ -239,13 +258,10 @@ class PrefixAwarePolicy(BasePolicy):
         text = request.text if request.text is not None else request_text(request.body)
         ids, queues, pos = self._fleet_of(workers)
         loads = list(map(add, map(inflight.get, ids, repeat(0)), queues))
-        low, high = min(loads), max(loads)
         hashes = self._chain(text)
         held: int | None = None  # chunks of this prompt the chosen worker holds, if known
-        if not hashes or (
-            high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low
-        ):
-            reason, chosen = "load", self._least(workers, loads)
+        if not hashes:
+            reason, at = "load", self._least(loads)
         else:
             depth, holders, trees = self._match(hashes, pos)
             matched = min(self._ends[depth - 1], len(text)) if depth else 0
@@ -253,20 +269,14 @@ class PrefixAwarePolicy(BasePolicy):
                 reason, held = "prefix", depth
                 if len(holders) > 1:
                     holders = self._holding(hashes[depth - 1], holders, trees)[0]
-                at = [pos[h] for h in holders]
-                if len(at) == 1:
-                    chosen = workers[at[0]]
-                else:
-                    chosen = self._least([workers[i] for i in at], [loads[i] for i in at])
+                at = pos[holders[0]]
+                if len(holders) > 1:
+                    at = self._least(loads, [pos[h] for h in holders])
+                if self._overloaded(loads[at], min(loads)):
+                    reason, held, at = "load", None, self._least(loads)
             else:
-                reason = "smallest_tree"
-                sizes = list(map(self._sizes.get, ids, repeat(0)))
-                smallest = min(sizes)
-                if sizes.count(smallest) == 1:
-                    chosen = workers[sizes.index(smallest)]
-                else:
-                    at = list(compress(count(), map(eq, sizes, repeat(smallest))))
-                    chosen = self._least([workers[i] for i in at], [loads[i] for i in at])
+                reason, at = "miss", self._least(loads, ids=ids)
+        chosen = workers[at]
         self.decisions[reason] += 1
         budget = _SWEEP_BASE + len(hashes)
         if hashes:
@@ -293,12 +303,26 @@ class PrefixAwarePolicy(BasePolicy):
             self._fleet_ids, self._fleet_queues, self._fleet_pos = ids, queues, pos
         return ids, queues, pos
 
-    def _least(self, workers: Sequence[WorkerView], keys: list[int]) -> WorkerView:
-        """The worker with the smallest key; ties at random."""
+    def _overloaded(self, load: int, low: int) -> bool:
+        """The load guard: `load` is past both thresholds over the least loaded's `low`."""
+        return load - low > self.balance_abs_threshold and load > self.balance_rel_threshold * low
+
+    def _least(
+        self, loads: list[int], at: list[int] | None = None, *, ids: list[int] | None = None
+    ) -> int:
+        """The position of the least loaded worker, of all or of the positions `at`; ties go
+        to the smallest tree when the workers' `ids` are given, then at random."""
+        keys = loads if at is None else [loads[i] for i in at]
         low = min(keys)
-        if keys.count(low) == 1:
-            return workers[keys.index(low)]
-        return self._rng.choice(list(compress(workers, map(eq, keys, repeat(low)))))
+        k = keys.index(low)
+        if keys.count(low) > 1:
+            ties = list(compress(count(), map(eq, keys, repeat(low))))
+            if ids is not None:
+                trees = [self._sizes.get(ids[i], 0) for i in ties]
+                smallest = min(trees)
+                ties = list(compress(ties, map(eq, trees, repeat(smallest))))
+            k = ties[0] if len(ties) == 1 else self._rng.choice(ties)
+        return k if at is None else at[k]
 
     # -- matching -------------------------------------------------------------------------
 

@@ -125,6 +125,12 @@ def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
 
 # --- schemas ----------------------------------------------------------------------------
 
+# Bounds of the columns input lands in: past them PostgreSQL refuses the write (a 500),
+# where SQLite would have stored it. MAX_INT is PostgreSQL's integer, Django's IntegerField.
+MAX_INT = 2**31 - 1
+MAX_URL = Worker._meta.get_field("url").max_length
+MAX_WORKER_NAME = Worker._meta.get_field("name").max_length
+
 
 class ModelOut(Schema):
     id: str
@@ -162,15 +168,16 @@ class WorkerOut(Schema):
 
 
 class WorkerIn(Schema):
-    url: str
-    name: str = ""
-    dcgm_url: str = ""  # a DCGM exporter's metrics URL, e.g. http://gpu-1:9400/metrics
+    url: str = Field(max_length=MAX_URL)
+    name: str = Field(default="", max_length=MAX_WORKER_NAME)
+    # A DCGM exporter's metrics URL, e.g. http://gpu-1:9400/metrics
+    dcgm_url: str = Field(default="", max_length=MAX_URL)
 
 
 class WorkerPatch(Schema):
-    name: str | None = None
+    name: str | None = Field(default=None, max_length=MAX_WORKER_NAME)
     weight: float | None = None
-    dcgm_url: str | None = None  # "" removes it
+    dcgm_url: str | None = Field(default=None, max_length=MAX_URL)  # "" removes it
     reset_gpu_count: bool = False
 
 
@@ -197,9 +204,10 @@ class ServedModelPatch(Schema):
 
 
 class RegisterIn(Schema):
-    url: str
-    name: str = ""
-    dcgm_url: str | None = None  # None: leave it as the operator set it
+    url: str = Field(max_length=MAX_URL)
+    name: str = Field(default="", max_length=MAX_WORKER_NAME)
+    # None: leave it as the operator set it
+    dcgm_url: str | None = Field(default=None, max_length=MAX_URL)
     # Bare names or vLLM /v1/models entries; absent means "ask the server itself".
     models: list[str | dict[str, Any]] | None = None
 
@@ -226,7 +234,7 @@ class GpuIn(Schema):
 
 
 class HeartbeatIn(Schema):
-    queue_length: int | None = None
+    queue_length: int | None = Field(default=None, le=MAX_INT)
     # Absent when the agent has no GPU to report (no NVML); never a list of zeros.
     gpus: list[GpuIn] | None = Field(default=None, max_length=gpu.MAX_GPUS)
 

@@ -10,7 +10,7 @@ from django.http import HttpRequest
 from ninja import Field, Router, Schema
 
 from controlpanel import keys
-from controlpanel.api import ADMIN_AUTH, _actor
+from controlpanel.api import ADMIN_AUTH, MAX_INT, _actor
 from controlpanel.models import ApiKey
 
 router = Router(auth=ADMIN_AUTH, tags=["keys"])
@@ -20,8 +20,8 @@ class KeyIn(Schema):
     name: str = Field(min_length=1, max_length=keys.MAX_NAME)
     # Model or alias names the key may use; absent or empty: every model.
     models: list[str] | None = Field(default=None, max_length=1000)
-    rpm: int | None = Field(default=None, ge=1, description="requests per minute")
-    tpm: int | None = Field(default=None, ge=1, description="tokens per minute")
+    rpm: int | None = Field(default=None, ge=1, le=MAX_INT, description="requests per minute")
+    tpm: int | None = Field(default=None, ge=1, le=MAX_INT, description="tokens per minute")
 
 
 class KeyOut(Schema):

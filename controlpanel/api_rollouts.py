@@ -10,7 +10,7 @@ from django.utils import timezone
 from ninja import Field, Router, Schema, Status
 
 from controlpanel import rollouts
-from controlpanel.api import ADMIN_AUTH, _actor
+from controlpanel.api import ADMIN_AUTH, MAX_INT, _actor
 from controlpanel.models import ACTIVE_ROLLOUT_STATES, Alias, RolloutPlan, RolloutState
 
 router = Router(auth=ADMIN_AUTH)
@@ -54,7 +54,7 @@ class StepIn(Schema):
 class GatesIn(Schema):
     max_error_rate: float = Field(default=0.02, ge=0, le=1)
     max_ttft_p95_ratio: float = Field(default=1.5, ge=1)
-    min_requests: int = Field(default=50, ge=1)
+    min_requests: int = Field(default=50, ge=1, le=MAX_INT)
 
 
 class RolloutIn(Schema):

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 GROUP = f"fleet-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 NUDGE_GROUP = "fleet-nudges"
 PUBLISH_INTERVAL = 0.4
+NUDGE_RETRY_SECONDS = 5.0
 
 
 def nudge_dashboards() -> None:
@@ -69,23 +70,38 @@ class LivePublisher:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # a task that failed must not fail the router's shutdown
+                log.warning("live feed task %s had failed", task.get_name(), exc_info=True)
         self._executor.shutdown(wait=False)
 
     async def _listen_for_nudges(self) -> None:
         """A change committed anywhere (Celery over Redis included) nudges every web
-        process, which then publishes at once instead of at its next tick."""
+        process, which then publishes at once instead of at its next tick. While Redis is
+        unreachable the publisher's polling serves alone, and this retries every
+        NUDGE_RETRY_SECONDS, so nudges resume by themselves."""
         layer = get_channel_layer()
         if layer is None:
             return
-        channel = await layer.new_channel()
+        failing = False
         while True:
-            # Group membership expires in channels_redis; joining again is cheap.
-            await layer.group_add(NUDGE_GROUP, channel)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(layer.receive(channel), timeout=600)
-                self._nudged.set()
+            try:
+                channel = await layer.new_channel()
+                while True:
+                    # Group membership expires in channels_redis; joining again is cheap.
+                    await layer.group_add(NUDGE_GROUP, channel)
+                    failing = False
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(layer.receive(channel), timeout=600)
+                        self._nudged.set()
+            except Exception as exc:  # noqa: BLE001 - a dead Redis must not end the listener
+                if not failing:
+                    log.warning("live nudges unavailable, retrying: %s", exc)
+                failing = True
+                await asyncio.sleep(NUDGE_RETRY_SECONDS)
 
     async def _loop(self) -> None:
         layer = get_channel_layer()
@@ -103,7 +119,10 @@ class LivePublisher:
                 log.exception("live feed update failed")
                 continue
             if text:
-                await layer.group_send(GROUP, {"type": "fleet.update", "text": text})
+                try:
+                    await layer.group_send(GROUP, {"type": "fleet.update", "text": text})
+                except Exception:  # Redis down: this update is lost, the feed goes on
+                    log.warning("live feed send failed", exc_info=True)
 
     def changes(self) -> str | None:
         """The rows whose content changed since the last push, as one JSON message."""

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # A router that has not reported for this long is presumed gone: its in-flight counts no
 # longer hold a drain open.
 ROUTER_LIVENESS = timedelta(seconds=15)
+MAX_MODEL_NAME = ServedModel._meta.get_field("name").max_length or 300
 
 
 class ServiceError(Exception):
@@ -97,7 +98,8 @@ def parse_model_list(payload: Any) -> list[dict[str, Any]]:
     seen: dict[str, dict[str, Any]] = {}
     for entry in payload["data"]:
         model_id = entry["id"]
-        if not isinstance(model_id, str) or not model_id:
+        # Longer than the ServedModel column, the write would fail (PostgreSQL) later.
+        if not isinstance(model_id, str) or not model_id or len(model_id) > MAX_MODEL_NAME:
             raise ValueError(f"bad model id {model_id!r}")
         seen.setdefault(model_id, _model_entry(entry))
     if not seen:
@@ -124,7 +126,10 @@ def model_keys(entries: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
 def models_from_agent(names_or_entries: Iterable[Any]) -> list[dict[str, Any]]:
     """An agent may send bare names or vLLM entries; both become vLLM entries."""
     entries = [{"id": item} if isinstance(item, str) else dict(item) for item in names_or_entries]
-    return parse_model_list({"data": entries})
+    try:
+        return parse_model_list({"data": entries})
+    except (ValueError, TypeError, KeyError) as exc:
+        raise NotAVllmServer(f"the agent's model list is not usable: {exc}") from exc
 
 
 # --- events --------------------------------------------------------------------------------

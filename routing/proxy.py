@@ -335,6 +335,19 @@ class RouterApp:
             if refusal := self.gate.admit(client, model):
                 return await _refuse(send, refusal, trace)
             send = self.gate.metered(send, client, model)
+        await self._route(scope, receive, send, trace, body, payload, model)
+
+    async def _route(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        trace: RequestTrace,
+        body: bytes,
+        payload: dict[str, Any],
+        model: str,
+    ) -> None:
+        """Resolve an alias, pick a worker by the model's policy and forward."""
         rewriter: ModelNameRewriter | None = None
         alias = self.snapshot.aliases.get(model)
         if alias is not None:

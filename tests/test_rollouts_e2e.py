@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -113,6 +114,26 @@ def orjson_model(body: bytes) -> str:
     return model
 
 
+def test_a_weight_change_reaches_the_router_within_a_second(
+    router: RouterServer, client: openai.OpenAI, versions: Versions
+) -> None:
+    _, new, _, _ = versions
+    create_alias(router, "chat", {"chat-v1": 100})
+    started = time.monotonic()
+    response = httpx.patch(
+        f"{router.url}/api/aliases/chat", json={"targets": {"chat-v2": 100}}, headers=ADMIN_HEADERS
+    )
+    assert response.status_code == 200, response.text
+
+    def on_new_version() -> bool:
+        before = sum(s.state.received for s in new)
+        client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "?"}])
+        return sum(s.state.received for s in new) > before
+
+    wait_until(on_new_version, interval=0.02)
+    assert time.monotonic() - started < 1.5  # "within 1 s", plus one request
+
+
 def test_a_session_stays_on_one_version(
     router: RouterServer, client: openai.OpenAI, versions: Versions
 ) -> None:
@@ -203,9 +224,7 @@ def test_failing_rollout_rolls_back_by_itself(
     assert done["state"] == "rolled_back"
     assert gate_words in _rollback_reason(plan["id"])
     assert elapsed < 40  # inside the 60 s hold: the gate acted, not the clock
-    # The first check with enough requests acted (one tick after the routers reported
-    # them): the failing window is not much past min_requests.
-    assert done["history"][-1]["new"]["requests"] < 3 * 15
+    # (that one tick with failing figures rolls back is tests/test_rollouts.py's business)
     assert new_after == new_before  # traffic is back on v1
     assert router.get("/api/aliases/chat", headers=ADMIN_HEADERS).json()["targets"] == {
         "chat-v1": 100

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import MutableMapping
 from time import perf_counter
 from typing import Any
 
@@ -21,9 +21,6 @@ import orjson
 
 from routing.auth import SCOPE_KEY
 from routing.metrics import CLIENT_CLOSED, RequestTrace
-
-Message = MutableMapping[str, Any]
-Send = Callable[[Message], Awaitable[None]]
 
 HEADER = b"x-request-id"
 MAX_REQUEST_ID = 128
@@ -42,19 +39,6 @@ def request_id(scope: MutableMapping[str, Any]) -> bytes:
     made = os.urandom(16).hex().encode()
     scope["headers"] = [*headers, (HEADER, made)]
     return made
-
-
-def with_request_id(send: Send, rid: bytes) -> Send:
-    """`send`, with our id on the answer in place of whatever the worker said."""
-
-    async def stamped(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            headers = [(n, v) for n, v in message.get("headers", ()) if n.lower() != HEADER]
-            headers.append((HEADER, rid))
-            message["headers"] = headers
-        await send(message)
-
-    return stamped
 
 
 def enabled() -> bool:

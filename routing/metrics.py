@@ -109,7 +109,7 @@ _NOT_IN_NAME = re.compile(r"[^a-zA-Z0-9_]")
 class RequestTrace:
     """What one proxied request did, filled in as it goes and recorded once at its end."""
 
-    __slots__ = ("first_byte", "model", "started", "status", "worker_id")
+    __slots__ = ("first_byte", "model", "request_id", "started", "status", "worker_id")
 
     def __init__(self, started: float) -> None:
         self.started = started
@@ -117,6 +117,7 @@ class RequestTrace:
         self.worker_id: int | None = None
         self.status = 0  # 0: nothing sent yet
         self.first_byte: float | None = None
+        self.request_id = b""  # routing.access_log; returned to the client on every answer
 
 
 class PlainHistogram:

@@ -110,7 +110,8 @@ HOP_BY_HOP = frozenset(
 # aiohttp sets these itself from the URL and the body it sends.
 _REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 # uvicorn writes its own Date and Server; relaying the worker's too would send both twice.
-RESPONSE_DROP = HOP_BY_HOP | {b"date", b"server"}
+# x-request-id: the router sets its own (routing.access_log), never the worker's echo twice.
+RESPONSE_DROP = HOP_BY_HOP | {b"date", b"server", b"x-request-id"}
 _REQUEST_DROP_REWRITING = _REQUEST_DROP | {b"accept-encoding"}
 _RESPONSE_DROP_RENAMED = RESPONSE_DROP | {b"content-length"}
 
@@ -294,9 +295,9 @@ class RouterApp:
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One model-route request, counted and timed whatever becomes of it."""
         trace = RequestTrace(perf_counter())
-        rid = access_log.request_id(scope)
+        rid = trace.request_id = access_log.request_id(scope)
         try:
-            await self._place(scope, receive, access_log.with_request_id(send, rid), trace)
+            await self._place(scope, receive, send, trace)
         except Exception:
             trace.status = trace.status or 500  # uvicorn answers an escaped error with a 500
             raise
@@ -599,6 +600,7 @@ class RouterApp:
             self.ejector.failure(worker.id, f"answered {status}")
         rewriter = _usable_rewriter(forward.rewriter, upstream)
         headers = _response_headers(upstream.raw_headers, rewriter is not None)
+        headers.append((access_log.HEADER, trace.request_id))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         trace.status = status
         try:
@@ -867,12 +869,14 @@ async def _reject(
 ) -> None:
     """A router-made error on a model route, counted under the status it sends."""
     trace.status = status
-    await _respond_error(send, status, message, param, extra_headers=extra_headers)
+    headers = [*(extra_headers or ()), (access_log.HEADER, trace.request_id)]
+    await _respond_error(send, status, message, param, extra_headers=headers)
 
 
 async def _refuse(send: Send, refusal: Refusal, trace: RequestTrace | None = None) -> None:
     """A request turned away by the client gate (routing.auth): 401, 404 or 429."""
+    status, headers = refusal.status, list(refusal.headers)
     if trace is not None:
         trace.status = refusal.status
-    status, headers = refusal.status, list(refusal.headers)
+        headers.append((access_log.HEADER, trace.request_id))
     await _respond_error(send, status, refusal.message, refusal.param, extra_headers=headers)

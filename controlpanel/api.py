@@ -15,7 +15,7 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
 from ninja.security.session import SessionAuthIsStaff
 
-from controlpanel import gpu, selectors, services
+from controlpanel import gpu, loras, selectors, services
 from controlpanel.models import ServedModel, Worker
 from routing.policies import POLICIES
 
@@ -376,6 +376,31 @@ def workers_deregister(request: HttpRequest, worker_id: int) -> Any:
         "state": worker.state,
         "heartbeat_interval": settings.CONTROLPANEL_HEARTBEAT_INTERVAL,
     }
+
+
+class LoraIn(Schema):
+    lora_name: str = Field(min_length=1, max_length=300)
+    lora_path: str = Field(min_length=1, max_length=1000)
+
+
+@api.post("/workers/{int:worker_id}/loras", response=WorkerOut, auth=ADMIN_AUTH, tags=["workers"])
+def workers_load_lora(request: HttpRequest, worker_id: int, payload: LoraIn) -> Any:
+    """Load a LoRA adapter into the worker (vLLM's /v1/load_lora_adapter, which the public
+    router never forwards); the router routes it once the worker lists it."""
+    return loras.worker_load_lora(
+        worker_id=worker_id, name=payload.lora_name, path=payload.lora_path,
+        actor=_actor(request),
+    )  # fmt: skip
+
+
+@api.delete(
+    "/workers/{int:worker_id}/loras/{path:name}",
+    response=WorkerOut,
+    auth=ADMIN_AUTH,
+    tags=["workers"],
+)
+def workers_unload_lora(request: HttpRequest, worker_id: int, name: str) -> Any:
+    return loras.worker_unload_lora(worker_id=worker_id, name=name, actor=_actor(request))
 
 
 # Aliases and rollouts live in their own module; imported last, since it uses this one.

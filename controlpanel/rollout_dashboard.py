@@ -11,7 +11,14 @@ from django.template.loader import render_to_string
 from django.utils import timezone
 
 from controlpanel import rollouts
-from controlpanel.models import ACTIVE_ROLLOUT_STATES, Alias, RolloutPlan, RolloutState
+from controlpanel.models import (
+    ACTIVE_ROLLOUT_STATES,
+    Alias,
+    Event,
+    EventKind,
+    RolloutPlan,
+    RolloutState,
+)
 
 RECENT = timedelta(hours=24)
 BAR_SCALE = 2.0  # a bar's full width is twice its gate, so the gate mark sits in the middle
@@ -42,6 +49,7 @@ class Panel:
     actions: list[str]
     verdict: str
     check_reason: str
+    events: list[Event]
 
     @property
     def error_bars(self) -> tuple[float, float]:
@@ -84,6 +92,7 @@ def panel(plan: RolloutPlan) -> Panel:
         actions=[a for a, states in rollouts.ACTIONS.items() if _allowed(plan, a, states)],
         verdict=str(check.get("verdict") or ""),
         check_reason=str(check.get("reason") or ""),
+        events=list(Event.objects.filter(kind=EventKind.ROLLOUT, data__plan=plan.pk)[:50]),
     )
 
 

@@ -14,7 +14,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from controlpanel import rollout_dashboard, rollouts, selectors
-from controlpanel.models import Alias, Event, EventKind
+from controlpanel.models import Alias
 from controlpanel.services import ServiceError
 
 DEFAULT_STEPS_TEXT = "5 10min\n25 10min\n50 10min\n100 0"
@@ -44,9 +44,7 @@ def rollout_detail(request: HttpRequest, plan_id: int) -> HttpResponse:
     except rollouts.RolloutNotFound as exc:
         messages.error(request, str(exc))
         return redirect("rollouts")
-    events = Event.objects.filter(kind=EventKind.ROLLOUT, data__plan=plan.pk)
-    context = {"p": rollout_dashboard.panel(plan), "events": events.select_related("worker")[:50]}
-    return render(request, "controlpanel/rollout.html", context)
+    return render(request, "controlpanel/rollout.html", {"p": rollout_dashboard.panel(plan)})
 
 
 @staff_member_required

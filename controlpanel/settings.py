@@ -129,7 +129,10 @@ else:
     _broker_dir = VAR_DIR / "celery-broker"
     for _sub in ("queue", "processed"):
         (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
-    CELERY_BROKER_URL = "filesystem://"
+    from controlpanel import broker  # only the embedded default needs it
+
+    broker.register()
+    CELERY_BROKER_URL = f"{broker.ALIAS}://"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir / "queue"),
         "data_folder_out": str(_broker_dir / "queue"),

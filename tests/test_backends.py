@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -29,7 +30,7 @@ def test_redis_url_switches_channel_layer_broker_and_cache() -> None:
         assert os.environ["REDIS_URL"] == settings.CELERY_BROKER_URL
     else:
         assert layer_backend == "channels.layers.InMemoryChannelLayer"
-        assert settings.CELERY_BROKER_URL == "filesystem://"
+        assert settings.CELERY_BROKER_URL == "cpfs://"  # controlpanel.broker
 
 
 def test_channel_layer_round_trip() -> None:
@@ -54,3 +55,22 @@ def test_database_round_trip() -> None:
     first = RoutingGeneration.current()
     RoutingGeneration.bump()
     assert RoutingGeneration.current() == first + 1
+
+
+def test_filesystem_broker_messages_appear_whole(tmp_path: Path) -> None:
+    """controlpanel.broker writes aside and renames, so a reader never sees a half file."""
+    from kombu import Connection
+
+    from controlpanel import broker
+
+    broker.register()
+    folders = {"data_folder_in": str(tmp_path), "data_folder_out": str(tmp_path)}
+    with Connection("cpfs://", transport_options=folders) as conn:
+        queue = conn.SimpleQueue("whole")
+        queue.put({"n": 1})
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+        assert [p.name.endswith(".whole.msg") for p in tmp_path.iterdir()] == [True]
+        message = queue.get(timeout=1)
+        assert message.payload == {"n": 1}
+        message.ack()
+        queue.close()

@@ -56,6 +56,7 @@ def test_plan_created_in_the_browser_progresses_live(
         expect(operator.get_by_test_id("plan-step")).to_have_text("2", timeout=LIVE_MS)
         expect(state).to_have_text("completed", timeout=LIVE_MS)
     expect(operator.get_by_test_id("history").locator("tbody tr")).to_have_count(2)
+    expect(operator.locator("ul.events li").first).to_contain_text("completed")  # live too
     screenshot(operator, "rollout-completed.png")
     assert Alias.objects.get(name="chat").targets == {"chat-v2": 100}
     operator.goto(f"{router.url}/rollouts/")

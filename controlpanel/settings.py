@@ -127,7 +127,7 @@ else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
     # kombu's filesystem transport needs no server: the embedded default for a first run.
     _broker_dir = VAR_DIR / "celery-broker"
-    for _sub in ("queue", "processed"):
+    for _sub in ("queue", "processed", "control"):
         (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
     from controlpanel import broker  # only the embedded default needs it
 
@@ -137,6 +137,8 @@ else:
         "data_folder_in": str(_broker_dir / "queue"),
         "data_folder_out": str(_broker_dir / "queue"),
         "processed_folder": str(_broker_dir / "processed"),
+        # Exchange state; without it kombu writes a `control/` folder wherever it runs.
+        "control_folder": str(_broker_dir / "control"),
         "store_processed": False,
     }
 CELERY_TASK_IGNORE_RESULT = True

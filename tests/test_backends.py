@@ -64,12 +64,17 @@ def test_filesystem_broker_messages_appear_whole(tmp_path: Path) -> None:
     from controlpanel import broker
 
     broker.register()
-    folders = {"data_folder_in": str(tmp_path), "data_folder_out": str(tmp_path)}
+    folders = {
+        "data_folder_in": str(tmp_path),
+        "data_folder_out": str(tmp_path),
+        "control_folder": str(tmp_path / "control"),
+    }
+    (tmp_path / "control").mkdir()
     with Connection("cpfs://", transport_options=folders) as conn:
         queue = conn.SimpleQueue("whole")
         queue.put({"n": 1})
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
-        assert [p.name.endswith(".whole.msg") for p in tmp_path.iterdir()] == [True]
+        assert [p.name.endswith(".whole.msg") for p in tmp_path.glob("*.msg")] == [True]
         message = queue.get(timeout=1)
         assert message.payload == {"n": 1}
         message.ack()

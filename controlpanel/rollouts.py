@@ -248,9 +248,11 @@ def steps_clean(steps: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def rollout_create(*, request: PlanRequest, actor: str) -> RolloutPlan:
-    """Persist a plan; one without a start time starts now, after its pre-flight checks."""
+    """Persist a plan; one without a start time (or one in the past) starts now, after its
+    pre-flight checks, and is not kept when they fail."""
     steps = steps_clean(request.steps)
     _check_gates(request)
+    starts_now = request.start_at is None or request.start_at <= timezone.now()
     with transaction.atomic():
         alias = _alias_locked(request.alias)
         from_target = request.from_target or _sole_target(alias)
@@ -258,7 +260,7 @@ def rollout_create(*, request: PlanRequest, actor: str) -> RolloutPlan:
             raise InvalidPlan("the new target must differ from the old one")
         if request.to_target == alias.name:
             raise InvalidPlan("an alias cannot be its own target")
-        plan = RolloutPlan.objects.create(
+        plan = RolloutPlan(
             alias=alias,
             from_target=from_target,
             to_target=request.to_target,
@@ -269,17 +271,15 @@ def rollout_create(*, request: PlanRequest, actor: str) -> RolloutPlan:
             min_requests=request.min_requests,
             drain_old=request.drain_old,
             created_by=actor,
-            reason="scheduled" if request.start_at else "created",
+            reason="created" if starts_now else "scheduled",
         )
-        when = f"for {request.start_at.isoformat()}" if request.start_at else "to start now"
-        _plan_event(plan, None, S.SCHEDULED, f"created {when}", actor)
-    if request.start_at is None or request.start_at <= timezone.now():
-        problems = preflight(plan)
-        if problems:
-            RolloutPlan.objects.filter(pk=plan.pk).delete()
+        if starts_now and (problems := preflight(plan)):
             raise PreflightFailed(problems)
-        plan = _start(plan, actor)
-    return plan
+        plan.save()
+        start_at = request.start_at
+        when = "to start now" if starts_now or start_at is None else f"for {start_at.isoformat()}"
+        _plan_event(plan, None, S.SCHEDULED, f"created {when}", actor)
+    return _start(plan, actor) if starts_now else plan
 
 
 def _check_gates(request: PlanRequest) -> None:

@@ -80,6 +80,7 @@ def test_preflight_refuses_a_target_without_healthy_workers(fleet: None) -> None
     with pytest.raises(rollouts.PreflightFailed, match="no healthy worker serves `v2`"):
         plan_now()
     assert not RolloutPlan.objects.exists()
+    assert not Event.objects.filter(kind=EventKind.ROLLOUT).exists()  # nothing half-made
     assert Alias.objects.get(name="chat").targets == {"v1": 100}
 
 

@@ -38,7 +38,7 @@ def test_plan_created_in_the_browser_progresses_live(
         operator.get_by_test_id("plan-min-requests").fill("5")
         # Two workers sharing this machine's CPUs with the test: latency is too noisy to
         # gate on tightly here (tests/test_rollouts_e2e.py proves the latency gate).
-        operator.get_by_test_id("plan-p95-ratio").fill("10")
+        operator.get_by_test_id("plan-p95-ratio").fill("50")
         operator.get_by_test_id("plan-create").click()
         state = operator.get_by_test_id("plan-state")
         expect(state).to_have_text("running")

@@ -155,6 +155,9 @@ def test_healthy_rollout_completes_without_a_failed_request(
 ) -> None:
     old, _, old_workers, _ = versions
     create_alias(router, "chat", {"chat-v1": 100})
+    # Celery starting up takes the CPUs for a few seconds; a latency gate over a handful of
+    # requests would judge that, not the version (the latency gate has its own test below).
+    wait_until(lambda: Worker.objects.filter(last_probe_at__isnull=False).count() == 4)
     with SteadyTraffic(router.url, "chat") as traffic:
         wait_until(lambda: traffic.count() > 20)
         plan = create_plan(
@@ -162,7 +165,7 @@ def test_healthy_rollout_completes_without_a_failed_request(
             alias="chat",
             to_target="chat-v2",
             steps=FAST_STEPS,
-            gates={"max_error_rate": 0.05, "max_ttft_p95_ratio": 5, "min_requests": 10},
+            gates={"max_error_rate": 0.05, "max_ttft_p95_ratio": 20, "min_requests": 15},
             drain_old=True,
         )
         assert plan["state"] == "running"
@@ -277,7 +280,7 @@ def test_a_restart_mid_plan_resumes_where_it_was(
                     {"weight": 60, "hold_seconds": 6},
                     {"weight": 100, "hold_seconds": 1},
                 ],
-                gates={"max_error_rate": 0.05, "max_ttft_p95_ratio": 5, "min_requests": 5},
+                gates={"max_error_rate": 0.05, "max_ttft_p95_ratio": 20, "min_requests": 5},
             )
             wait_until(lambda: plan_state(router, plan["id"])["step"] == 2, timeout=20)
             # The whole system goes down: the Celery worker (and beat) and the router.

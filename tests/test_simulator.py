@@ -6,6 +6,7 @@ Each test runs its own simulator on a free port inside asyncio.run, so no Django
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -255,12 +256,17 @@ def test_client_disconnect_mid_stream_cancels() -> None:
 
 def test_client_disconnect_while_waiting_non_stream_cancels() -> None:
     async def scenario(sim: RunningSimulator, session: aiohttp.ClientSession) -> None:
-        timeout = aiohttp.ClientTimeout(total=0.1)
-        try:
-            async with session.post(CHAT, json=chat_body(max_tokens=100), timeout=timeout) as r:
+        async def ask() -> None:
+            async with session.post(CHAT, json=chat_body(max_tokens=100)) as r:
                 await r.read()
-        except TimeoutError:
-            pass
+
+        asking = asyncio.create_task(ask())
+        # Leave only once the server is generating: a client that gives up before its
+        # request arrived (a fixed 0.1 s timeout on a busy machine) tests nothing.
+        await wait_for(lambda: sim.state.running == 1)
+        asking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asking
         await wait_for(lambda: sim.state.cancelled == 1)
         assert (sim.state.running, sim.state.waiting) == (0, 0)
 

@@ -16,12 +16,9 @@ from django.views.decorators.http import require_POST
 from controlpanel import keys, selectors
 from controlpanel.models import ApiKey
 from controlpanel.services import ServiceError
+from controlpanel.views import _actor
 
 USAGE_PERIODS = {"today": 0, "7d": 6, "30d": 29, "all": None}  # days before today
-
-
-def _actor(request: HttpRequest) -> str:
-    return f"user:{request.user.get_username()}"
 
 
 def _keys_page(request: HttpRequest, issued: keys.IssuedKey | None = None) -> HttpResponse:

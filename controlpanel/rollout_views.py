@@ -16,14 +16,11 @@ from django.views.decorators.http import require_POST
 from controlpanel import rollout_dashboard, rollouts, selectors
 from controlpanel.models import Alias
 from controlpanel.services import ServiceError
+from controlpanel.views import _actor
 
 DEFAULT_STEPS_TEXT = "5 10min\n25 10min\n50 10min\n100 0"
 _UNITS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
 _STEP_LINE = re.compile(r"^\s*(\d+)\s*%?\s+(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
-
-
-def _actor(request: HttpRequest) -> str:
-    return f"user:{request.user.get_username()}"
 
 
 @staff_member_required
@@ -115,13 +112,13 @@ def alias_save(request: HttpRequest) -> HttpResponse:
         targets = parse_targets(request.POST.get("targets", ""))
         if Alias.objects.filter(name=name).exists():
             rollouts.alias_update(name=name, targets=targets, actor=_actor(request))
-            messages.success(request, f"{name} now sends {_text(targets)}.")
+            messages.success(request, f"{name} now sends {rollouts.weights_text(targets)}.")
         else:
             description = request.POST.get("description", "")
             rollouts.alias_create(
                 name=name, targets=targets, description=description, actor=_actor(request)
             )
-            messages.success(request, f"Created {name}: {_text(targets)}.")
+            messages.success(request, f"Created {name}: {rollouts.weights_text(targets)}.")
     except (ValueError, ServiceError) as exc:
         messages.error(request, f"Alias {name} not saved: {exc}")
     return redirect("rollouts")
@@ -148,7 +145,3 @@ def parse_targets(text: str) -> dict[str, int]:
             raise ValueError(f"`{part}` is not like `model-name=90`")
         targets[name.strip()] = int(weight)
     return targets
-
-
-def _text(targets: dict[str, int]) -> str:
-    return ", ".join(f"{name} {weight}" for name, weight in targets.items())

@@ -131,7 +131,7 @@ def alias_create(*, name: str, targets: Any, description: str = "", actor: str) 
         if Alias.objects.filter(name=name).exists():
             raise AliasExists(f"the alias `{name}` exists already")
         alias = Alias.objects.create(name=name, targets=clean, description=description)
-        _alias_event(alias, f"created: {_weights_text(clean)}", actor)
+        _alias_event(alias, f"created: {weights_text(clean)}", actor)
         RoutingGeneration.bump()
     return alias
 
@@ -146,7 +146,7 @@ def alias_update(
             clean = alias_targets_clean(targets)
             if alias.name in clean:
                 raise InvalidAlias("an alias cannot be its own target")
-            _set_weights(alias, clean, actor, f"weights set: {_weights_text(clean)}")
+            _set_weights(alias, clean, actor, f"weights set: {weights_text(clean)}")
         if description is not None:
             alias.description = description
             alias.save(update_fields=["description", "updated_at"])
@@ -198,7 +198,7 @@ def _alias_event(alias: Alias, message: str, actor: str) -> None:
     )
 
 
-def _weights_text(targets: Mapping[str, int]) -> str:
+def weights_text(targets: Mapping[str, int]) -> str:
     return ", ".join(f"{name} {weight}" for name, weight in targets.items())
 
 
@@ -562,7 +562,7 @@ def _finish_rollback(plan: RolloutPlan) -> RolloutPlan:
         S.ROLLED_BACK,
         allowed=(S.ROLLING_BACK,),
         actor="router",
-        reason=f"every router sends `{plan.alias.name}` to {_weights_text(plan.alias.targets)}",
+        reason=f"every router sends `{plan.alias.name}` to {weights_text(plan.alias.targets)}",
         finished_at=timezone.now(),
     )
 

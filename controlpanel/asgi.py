@@ -45,6 +45,7 @@ def router_config() -> RouterConfig:
         max_inflight_per_worker=settings.ROUTER_MAX_INFLIGHT_PER_WORKER,
         queue_timeout=settings.ROUTER_QUEUE_TIMEOUT,
         queue_max=settings.ROUTER_QUEUE_MAX,
+        redis_url=settings.REDIS_URL,
     )
 
 

@@ -8,7 +8,7 @@ on the request path, and a new or revoked key reaches every router with the next
 A key is `cpk_` + 8 public characters (the *prefix*, shown on the dashboard and used to find
 the record) + 43 secret characters (256 random bits).
 
-Rate limits are token buckets per key, held in this router process:
+Rate limits are token buckets per key:
 
 - `rpm`: holds up to rpm requests and refills at rpm/60 a second; each request takes one.
 - `tpm`: holds up to tpm tokens and refills at tpm/60 a second. A request is let in while the
@@ -17,8 +17,9 @@ Rate limits are token buckets per key, held in this router process:
   next requests until it has refilled. Only answers that carry `usage` count (streams only
   with `stream_options: {"include_usage": true}`).
 
-The buckets are not shared between processes: with N router processes a key can get up to N
-times its limit.
+With `REDIS_URL` set the buckets live in Redis (routing.shared_store), shared by every router
+process. Without it, or while Redis is unreachable, each process keeps its own, and with N
+router processes a key can then get up to N times its limit.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 
 import orjson
 
+from routing.shared_store import RedisUnavailable, SharedStore
 from routing.usage import UsageLedger, UsageTap
 
 Message = MutableMapping[str, Any]
@@ -132,8 +134,9 @@ class ClientGate:
     """Authenticates, authorises and rate-limits keyed requests, and meters their usage.
     Lives as long as the router; its buckets survive snapshot swaps."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: SharedStore | None = None) -> None:
         self.usage = UsageLedger()
+        self.store = store  # shared buckets in Redis; None: this process's own
         self._requests: dict[int, TokenBucket] = {}
         self._tokens: dict[int, TokenBucket] = {}
 
@@ -152,19 +155,32 @@ class ClientGate:
         scope[SCOPE_KEY] = key
         return key
 
-    def admit(self, key: ClientKey, model: str, now: float | None = None) -> Refusal | None:
-        """May this key send one more request for `model` (as the client named it) now?"""
+    async def admit(self, key: ClientKey, model: str) -> Refusal | None:
+        """May this key send one more request for `model` (as the client named it) now?
+        Shared buckets when Redis is configured and answering, else this process's."""
         if not key.allows(model):
             return not_found(model)
-        now = time.monotonic() if now is None else now
+        if key.tpm is None and key.rpm is None:
+            return None
+        if self.store is not None and self.store.up:
+            try:
+                which, wait = await self.store.admit(key.prefix, key.tpm, key.rpm)
+            except RedisUnavailable:
+                pass  # the store logged it and /health shows it; limit per process meanwhile
+            else:
+                return _refusal(key, which, wait) if which else None
+        return self.admit_locally(key, time.monotonic())
+
+    def admit_locally(self, key: ClientKey, now: float) -> Refusal | None:
+        """The same check on this process's own buckets."""
         if key.tpm is not None:
             wait = _bucket(self._tokens, key.id, key.tpm, now).wait_until_positive(now)
             if wait:
-                return _rate_limited(f"tokens per minute ({key.tpm})", key, wait)
+                return _refusal(key, "tpm", wait)
         if key.rpm is not None:
             wait = _bucket(self._requests, key.id, key.rpm, now).take(1, now)
             if wait:
-                return _rate_limited(f"requests per minute ({key.rpm})", key, wait)
+                return _refusal(key, "rpm", wait)
         return None
 
     def metered(self, send: Send, key: ClientKey, model: str) -> Send:
@@ -172,9 +188,12 @@ class ClientGate:
         return UsageTap(self.usage, key.id, model, lambda used: self._charge(key, used)).wrap(send)
 
     def _charge(self, key: ClientKey, tokens: int) -> None:
+        """Both: the shared bucket for the limit, the local one in case Redis goes away."""
         if key.tpm is not None:
             now = time.monotonic()
             _bucket(self._tokens, key.id, key.tpm, now).charge(tokens, now)
+            if self.store is not None and self.store.up:
+                self.store.charge(key.prefix, key.tpm, tokens)
 
 
 def visible_models(payload: bytes, entries: Mapping[str, Any], key: ClientKey | None) -> bytes:
@@ -192,6 +211,12 @@ def _bucket(
     if bucket is None or bucket.capacity != per_minute:  # new key, or its limit changed
         bucket = buckets[key_id] = TokenBucket(per_minute, now)
     return bucket
+
+
+def _refusal(key: ClientKey, which: str, wait: float) -> Refusal:
+    if which == "tpm":
+        return _rate_limited(f"tokens per minute ({key.tpm})", key, wait)
+    return _rate_limited(f"requests per minute ({key.rpm})", key, wait)
 
 
 def _rate_limited(limit: str, key: ClientKey, wait: float) -> Refusal:

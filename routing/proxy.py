@@ -40,6 +40,7 @@ from routing.metrics import (
 from routing.policies import make_policy
 from routing.policies.base import BasePolicy, RequestInfo
 from routing.request_text import request_text
+from routing.shared_store import SharedStore
 from routing.snapshot import ModelRoute, Snapshot, WorkerView
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class RouterConfig:
     max_inflight_per_worker: int = 0  # per router process; 0: no limit (routing.admission)
     queue_timeout: float = 10.0  # seconds a request waits for room before its 429
     queue_max: int = 1000  # requests waiting per model before newcomers get 429 at once
+    redis_url: str = ""  # shared rate limits and their health (routing.shared_store)
 
 
 def routes_here(path: str) -> bool:
@@ -176,7 +178,8 @@ class RouterApp:
         # worker id -> [failures, last cause]: connection refused or reset, or no answer in
         # time, seen by real traffic; the refresher takes them for the control plane.
         self.passive_failures: dict[int, list[Any]] = {}
-        self.gate = ClientGate()  # client keys, their rate limits and usage (routing.auth)
+        self.store = SharedStore(self.config.redis_url) if self.config.redis_url else None
+        self.gate = ClientGate(self.store)  # client keys, rate limits, usage (routing.auth)
         self.ejector = Ejector(self.config.eject_after, self.config.eject_cooldown)
         self.admission = Admission(
             self.config.max_inflight_per_worker, self.config.queue_timeout, self.config.queue_max
@@ -225,6 +228,8 @@ class RouterApp:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self.store is not None:
+            await self.store.close()
 
     def _new_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
@@ -333,7 +338,7 @@ class RouterApp:
                 send, trace, 400, "the request body must be a JSON object with a `model`", "model"
             )
         if client is not None:  # by the name the client asked for, alias or model
-            if refusal := self.gate.admit(client, model):
+            if refusal := await self.gate.admit(client, model):
                 return await _refuse(send, refusal, trace)
             send = self.gate.metered(send, client, model)
         await self._route(scope, receive, send, trace, body, payload, model)
@@ -697,13 +702,15 @@ class RouterApp:
         for worker in self.snapshot.workers:
             counts[worker.state] += 1
         snapshot_age = time.time() - self.snapshot.built_at
+        redis_error = self.store.error if self.store is not None else None
         return {
-            "status": "degraded" if self.snapshot_error else "ok",
+            "status": "degraded" if self.snapshot_error or redis_error else "ok",
             "workers": dict(counts),
             "routable_workers": sum(1 for w in self.snapshot.workers if w.routable),
             "snapshot_generation": self.snapshot.generation,
             "snapshot_age_s": round(snapshot_age, 3),
             "snapshot_error": self.snapshot_error,
+            "redis": "not configured" if self.store is None else redis_error or "ok",
             "inflight": sum(self.inflight.values()),
         }
 

@@ -102,6 +102,8 @@ class SnapshotRefresher:
         while True:
             await asyncio.sleep(self.poll_interval)
             await self.refresh_once()
+            if self.router.store is not None:
+                await self.router.store.ping_if_due()  # how a Redis marked down comes back
             try:
                 await self.router.readmit_due()
             except Exception:  # a probe must never stop the refresher

@@ -13,8 +13,8 @@ from django.db import transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 
-from controlpanel.models import ApiKey, KeyUsage, RoutingGeneration
-from controlpanel.services import ServiceError
+from controlpanel.models import ApiKey, EventKind, KeyUsage, RoutingGeneration
+from controlpanel.services import ServiceError, event_record
 from routing.auth import PREFIX_LENGTH, ClientKey, new_key
 from routing.usage import UsageBatch
 
@@ -65,6 +65,7 @@ def api_key_create(
             created_by=actor,
         )
         RoutingGeneration.bump()  # routers learn the key with their next snapshot
+        _key_event(EventKind.API_KEY_CREATED, record, actor, "created")
     return IssuedKey(record=record, secret=secret)
 
 
@@ -78,7 +79,20 @@ def api_key_revoke(*, key_id: int, actor: str) -> ApiKey:
             record.revoked_at = timezone.now()
             record.save(update_fields=["revoked_at"])
             RoutingGeneration.bump()
+            _key_event(EventKind.API_KEY_REVOKED, record, actor, "revoked")
     return record
+
+
+def _key_event(kind: str, record: ApiKey, actor: str, what: str) -> None:
+    """The audit trail names the key by its public prefix; the secret is never logged."""
+    limits = {"models": record.allowed_models, "rpm": record.rpm, "tpm": record.tpm}
+    event_record(
+        kind=kind,
+        worker=None,
+        message=f"API key {record.name!r} ({record.prefix}…) {what}",
+        actor=actor,
+        data={"key_id": record.pk, "prefix": record.prefix, **limits},
+    )
 
 
 def client_keys() -> list[ClientKey]:

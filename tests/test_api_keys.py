@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from controlpanel.models import ApiKey
+from controlpanel.models import ApiKey, Event, EventKind
 from tests import keyed
 from tests.conftest import (
     ADMIN_HEADERS,
@@ -178,6 +178,11 @@ def test_a_revoked_key_is_refused_within_a_second(
     assert keyed_router.get("/api/keys", headers=ADMIN_HEADERS).json()[0]["revoked_at"]
     missing = httpx.delete(f"{keyed_router.url}/api/keys/999999", headers=ADMIN_HEADERS)
     assert missing.status_code == 404 and error_of(missing)["type"] == "KeyNotFound"
+    # Both ends of the key's life are in the audit trail, by prefix, never with the secret.
+    trail = Event.objects.filter(kind__in=[EventKind.API_KEY_CREATED, EventKind.API_KEY_REVOKED])
+    assert [e.kind for e in trail.order_by("id")] == ["api_key_created", "api_key_revoked"]
+    assert all(created["prefix"] in e.message and secret not in str(e.as_dict()) for e in trail)
+    assert all(e.actor for e in trail)
 
 
 def test_the_key_api_validates_and_needs_an_admin(keyed_router: RouterServer) -> None:

@@ -150,6 +150,12 @@ class WorkerOut(Schema):
     created_at: datetime
     updated_at: datetime
     dcgm_url: str
+    has_api_key: bool  # the key itself is never returned
+
+    @staticmethod
+    def resolve_has_api_key(obj: Worker) -> bool:
+        return bool(obj.api_key)
+
     # The latest per-GPU readings (controlpanel.gpu) and where they came from ("nvml",
     # "dcgm"); an empty source means no GPU source reports.
     gpus_source: str
@@ -172,6 +178,8 @@ class WorkerIn(Schema):
     name: str = Field(default="", max_length=MAX_WORKER_NAME)
     # A DCGM exporter's metrics URL, e.g. http://gpu-1:9400/metrics
     dcgm_url: str = Field(default="", max_length=MAX_URL)
+    # The key the vLLM server was started with (--api-key); sent upstream, never shown.
+    api_key: str = Field(default="", max_length=512)
 
 
 class WorkerPatch(Schema):
@@ -179,6 +187,7 @@ class WorkerPatch(Schema):
     weight: float | None = None
     dcgm_url: str | None = Field(default=None, max_length=MAX_URL)  # "" removes it
     reset_gpu_count: bool = False
+    api_key: str | None = Field(default=None, max_length=512)  # "" removes it
 
 
 class ServedModelOut(Schema):
@@ -256,7 +265,11 @@ def workers_list(request: HttpRequest) -> Any:
 @api.post("/workers", response={201: WorkerOut}, auth=ADMIN_AUTH, tags=["workers"])
 def workers_add(request: HttpRequest, payload: WorkerIn) -> Any:
     worker = services.worker_add(
-        url=payload.url, name=payload.name, dcgm_url=payload.dcgm_url, actor=_actor(request)
+        url=payload.url,
+        name=payload.name,
+        dcgm_url=payload.dcgm_url,
+        api_key=payload.api_key,
+        actor=_actor(request),
     )
     return 201, worker
 
@@ -286,6 +299,7 @@ def workers_update(request: HttpRequest, worker_id: int, payload: WorkerPatch) -
         weight=payload.weight,
         dcgm_url=payload.dcgm_url,
         reset_gpu_count=payload.reset_gpu_count,
+        api_key=payload.api_key,
         actor=_actor(request),
     )
 

@@ -92,12 +92,16 @@ def _apply_logged(result: probes.ProbeResult) -> bool:
 
 def probe_targets() -> list[probes.ProbeTarget]:
     every = settings.CONTROLPANEL_MODELS_EVERY
-    rows = Worker.objects.values_list("pk", "url", "scrape_state", "dcgm_url")
+    rows = Worker.objects.values_list("pk", "url", "scrape_state", "dcgm_url", "api_key")
     return [
         probes.ProbeTarget(
-            worker_id=pk, url=url, read_models=_models_due(state, every), dcgm_url=dcgm_url
+            worker_id=pk,
+            url=url,
+            read_models=_models_due(state, every),
+            dcgm_url=dcgm_url,
+            api_key=api_key,
         )
-        for pk, url, state, dcgm_url in rows
+        for pk, url, state, dcgm_url, api_key in rows
     ]
 
 

@@ -47,7 +47,12 @@ def worker_unload_lora(*, worker_id: int, name: str, actor: str) -> Worker:
 def _call(worker: Worker, endpoint: str, body: dict[str, str]) -> None:
     url = f"{worker.url}/v1/{endpoint}"
     try:
-        response = httpx.post(url, json=body, timeout=settings.CONTROLPANEL_DISCOVERY_TIMEOUT)
+        response = httpx.post(
+            url,
+            json=body,
+            headers=worker.auth_headers(),
+            timeout=settings.CONTROLPANEL_DISCOVERY_TIMEOUT,
+        )
     except httpx.HTTPError as exc:
         raise LoraUnreachable(f"cannot reach {url}: {exc}") from exc
     if response.status_code != 200:
@@ -62,7 +67,7 @@ def _said(response: httpx.Response) -> str:
 
 
 def _refresh_models(worker: Worker, what: str, actor: str) -> Worker:
-    entries = discover_models(url=worker.url)
+    entries = discover_models(url=worker.url, api_key=worker.api_key)
     with transaction.atomic():
         worker = Worker.objects.select_for_update().get(pk=worker.pk)
         changed = model_keys(worker.models) != model_keys(entries)

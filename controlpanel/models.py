@@ -67,6 +67,9 @@ class Worker(models.Model):
     # from the DCGM exporter at `dcgm_url`, in one shape whichever source sent them; an
     # empty list with no source means nothing reports, which the dashboard calls "unknown".
     dcgm_url = models.CharField(max_length=512, blank=True)
+    # The key the vLLM server was started with (--api-key / VLLM_API_KEY): the router, the
+    # probes and LoRA calls send it as Authorization: Bearer. Never shown after it is set.
+    api_key = models.CharField(max_length=512, blank=True)
     gpus = JSONField(default=list, blank=True)
     gpus_source = models.CharField(max_length=8, blank=True)  # "nvml", "dcgm" or ""
     gpus_at = models.DateTimeField(null=True, blank=True)
@@ -87,6 +90,10 @@ class Worker(models.Model):
 
     class Meta:
         ordering = ["name", "id"]
+
+    def auth_headers(self) -> dict[str, str]:
+        """What every call to this server carries: its key, when it has one."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def __str__(self) -> str:
         return f"{self.name} ({self.url})"
@@ -223,6 +230,8 @@ class EventKind(models.TextChoices):
     ROLLOUT = "rollout"  # every transition of a rollout plan; data holds from/to states
     GPU_WARNING = "gpu_warning"
     GPU_CLEARED = "gpu_cleared"
+    API_KEY_CREATED = "api_key_created"
+    API_KEY_REVOKED = "api_key_revoked"
 
 
 class Event(models.Model):

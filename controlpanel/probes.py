@@ -292,6 +292,7 @@ class ProbeTarget:
     url: str
     read_models: bool  # /v1/models is read every CONTROLPANEL_MODELS_EVERY probes
     dcgm_url: str = ""  # the worker's DCGM exporter, scraped with the rest when set
+    api_key: str = ""  # vLLM's --api-key guards /v1/models (not /health, /metrics)
 
 
 @dataclass(frozen=True)
@@ -356,7 +357,8 @@ async def probe_one(
         _get(client, f"{target.url}/metrics", timeout),
     ]
     if target.read_models:
-        requests.append(_get(client, f"{target.url}/v1/models", timeout))
+        auth = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else None
+        requests.append(_get(client, f"{target.url}/v1/models", timeout, auth))
     if target.dcgm_url:
         requests.append(_get(client, target.dcgm_url, timeout))
     answers = await asyncio.gather(*requests)
@@ -384,12 +386,14 @@ class _Answer:
     error: str = ""
 
 
-async def _get(client: httpx.AsyncClient, url: str, timeout: float) -> _Answer:
+async def _get(
+    client: httpx.AsyncClient, url: str, timeout: float, headers: dict[str, str] | None = None
+) -> _Answer:
     # httpx's timeouts bound each phase; this bounds the whole request, so a server that
     # trickles its answer byte by byte still cannot hold the round.
     try:
         async with asyncio.timeout(timeout):
-            response = await client.get(url)
+            response = await client.get(url, headers=headers)
     except (TimeoutError, httpx.TimeoutException):
         return _Answer(None, error=f"timed out after {timeout:g} s")
     except httpx.HTTPError as exc:

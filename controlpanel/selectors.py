@@ -51,6 +51,7 @@ def worker_view(worker: Worker, *, now: datetime) -> WorkerView:
         metrics_age=(now - worker.last_probe_at).total_seconds() if worker.last_probe_at else None,
         metrics=MappingProxyType(dict(metrics)),
         gpus=_gpu_views(worker, now=now),
+        upstream_authorization=f"Bearer {worker.api_key}" if worker.api_key else None,
     )
 
 

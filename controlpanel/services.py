@@ -49,6 +49,10 @@ class InvalidWorkerURL(ServiceError):
     status = 422
 
 
+class InvalidWorkerKey(ServiceError):
+    status = 422
+
+
 class WorkerUnreachable(ServiceError):
     status = 422
 
@@ -76,13 +80,19 @@ class InvalidWeight(ServiceError):
 # --- discovery ---------------------------------------------------------------------------
 
 
-def discover_models(*, url: str) -> list[dict[str, Any]]:
+def discover_models(*, url: str, api_key: str = "") -> list[dict[str, Any]]:
     """Ask a server's /v1/models what it serves, refusing anything that is not vLLM-like."""
     endpoint = f"{url}/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx.get(endpoint, timeout=settings.CONTROLPANEL_DISCOVERY_TIMEOUT)
+        response = httpx.get(
+            endpoint, headers=headers, timeout=settings.CONTROLPANEL_DISCOVERY_TIMEOUT
+        )
     except httpx.HTTPError as exc:
         raise WorkerUnreachable(f"cannot reach {endpoint}: {exc}") from exc
+    if response.status_code == 401:
+        hint = "the worker's API key is wrong" if api_key else "set the worker's API key"
+        raise NotAVllmServer(f"{endpoint} answered HTTP 401: {hint} (vLLM's --api-key)")
     if response.status_code != 200:
         raise NotAVllmServer(f"{endpoint} answered HTTP {response.status_code}, not a model list")
     try:
@@ -172,13 +182,17 @@ def served_models_ensure(entries: list[dict[str, Any]]) -> None:
         ServedModel.objects.get_or_create(name=entry["id"])
 
 
-def worker_add(*, url: str, name: str = "", dcgm_url: str = "", actor: str) -> Worker:
-    """An operator adds a server by URL; its models are discovered, never typed in."""
+def worker_add(
+    *, url: str, name: str = "", dcgm_url: str = "", api_key: str = "", actor: str
+) -> Worker:
+    """An operator adds a server by URL; its models are discovered, never typed in.
+    `api_key` is the key the server requires (vLLM's --api-key), if any."""
     normalized = _normalized(url)
     dcgm_url = _dcgm_url(dcgm_url)
+    api_key = _api_key(api_key)
     if Worker.objects.filter(url=normalized).exists():
         raise WorkerAlreadyExists(f"a worker with URL {normalized} is already registered")
-    entries = discover_models(url=normalized)
+    entries = discover_models(url=normalized, api_key=api_key)
     with transaction.atomic():
         worker = Worker.objects.create(
             url=normalized,
@@ -186,6 +200,7 @@ def worker_add(*, url: str, name: str = "", dcgm_url: str = "", actor: str) -> W
             source=WorkerSource.OPERATOR,
             models=entries,
             dcgm_url=dcgm_url,
+            api_key=api_key,
         )
         served_models_ensure(entries)
         event_record(
@@ -211,7 +226,12 @@ def worker_register(
     worker's DCGM exporter as it was (an operator may have set it)."""
     normalized = _normalized(url)
     exporter = None if dcgm_url is None else _dcgm_url(dcgm_url)
-    entries = models_from_agent(models) if models else discover_models(url=normalized)
+    known_key = Worker.objects.filter(url=normalized).values_list("api_key", flat=True).first()
+    entries = (
+        models_from_agent(models)
+        if models
+        else discover_models(url=normalized, api_key=known_key or "")
+    )
     now = timezone.now()
     with transaction.atomic():
         worker, created = Worker.objects.select_for_update().get_or_create(
@@ -521,9 +541,11 @@ def worker_update(
     actor: str,
     dcgm_url: str | None = None,
     reset_gpu_count: bool = False,
+    api_key: str | None = None,
 ) -> Worker:
     """`dcgm_url` "" removes the exporter; `reset_gpu_count` accepts the GPU count the
-    worker reports now (after a GPU was removed on purpose), ending a "fewer GPUs" warning."""
+    worker reports now (after a GPU was removed on purpose), ending a "fewer GPUs" warning.
+    `api_key` "" removes the worker's key, None leaves it."""
     if weight is not None and weight < 0:
         raise InvalidWeight("weight cannot be negative")
     exporter = None if dcgm_url is None else _dcgm_url(dcgm_url)
@@ -536,6 +558,9 @@ def worker_update(
         fields = ["name", "weight", "updated_at"]
         if exporter is not None and exporter != worker.dcgm_url:
             fields += _dcgm_url_set(worker, exporter)
+        if api_key is not None and _api_key(api_key) != worker.api_key:
+            worker.api_key = _api_key(api_key)
+            fields.append("api_key")
         if reset_gpu_count:
             worker.gpu_count_max = len(worker.gpus) if worker.gpus_source else None
             worker.gpu_warnings = [w for w in worker.gpu_warnings if w["key"] != "count"]
@@ -546,6 +571,14 @@ def worker_update(
 
 
 # --- GPU telemetry (controlpanel.gpu, controlpanel.gpu_health) ------------------------------
+
+
+def _api_key(key: str) -> str:
+    """A worker key goes into an HTTP header: printable ASCII without spaces, or nothing."""
+    key = key.strip()
+    if len(key) > 512 or not all("!" <= ch <= "~" for ch in key):
+        raise InvalidWorkerKey("a worker API key is up to 512 printable ASCII characters")
+    return key
 
 
 def _dcgm_url(url: str) -> str:

@@ -126,9 +126,11 @@ def events_page(request: HttpRequest) -> HttpResponse:
 @require_POST
 def worker_add(request: HttpRequest) -> HttpResponse:
     url, name = request.POST.get("url", ""), request.POST.get("name", "").strip()
-    dcgm_url = request.POST.get("dcgm_url", "")
+    dcgm_url, api_key = request.POST.get("dcgm_url", ""), request.POST.get("api_key", "")
     try:
-        worker = services.worker_add(url=url, name=name, dcgm_url=dcgm_url, actor=_actor(request))
+        worker = services.worker_add(
+            url=url, name=name, dcgm_url=dcgm_url, api_key=api_key, actor=_actor(request)
+        )
     except services.ServiceError as exc:
         messages.error(request, f"Could not add {url}: {exc}")
     else:

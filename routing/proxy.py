@@ -555,12 +555,13 @@ class RouterApp:
             url += "?" + scope["query_string"].decode("latin-1")
         # An alias's answer is renamed on the way back, which needs it uncompressed.
         drop = _REQUEST_DROP if forward.rewriter is None else _REQUEST_DROP_REWRITING
+        headers = _request_headers(scope["headers"], drop)
+        if worker.upstream_authorization is not None:  # the worker's key, not the client's
+            headers = [h for h in headers if h[0].lower() != "authorization"]
+            headers.append(("Authorization", worker.upstream_authorization))
         try:
             upstream = await session.post(
-                url,
-                data=forward.body,
-                headers=_request_headers(scope["headers"], drop),
-                allow_redirects=False,
+                url, data=forward.body, headers=headers, allow_redirects=False
             )
         except TimeoutError as exc:
             self._failed_before_response(worker, "timeout", exc)

@@ -82,6 +82,8 @@ class SimConfig:
     # `extra_ttft_ms` (a slow version) while the server runs.
     fail_ratio: float = 0.0
     gpus: int = 1  # simulated GPUs on /dcgm-metrics
+    # vLLM's --api-key: every /v1 path then needs `Authorization: Bearer <key>` (401 else).
+    api_key: str = ""
 
 
 # --------------------------------------------------------------------------- tokens and text
@@ -1010,9 +1012,24 @@ async def sim_control(request: web.Request) -> web.Response:
 # --------------------------------------------------------------------------- app and runners
 
 
+def _api_key_middleware(key: str) -> Any:
+    """vLLM's AuthenticationMiddleware: /v1 paths need the key; /health, /metrics do not."""
+    expected = f"Bearer {key}"
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith("/v1") and request.headers.get("Authorization") != expected:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    return check
+
+
 def build_app(config: SimConfig) -> web.Application:
     """An aiohttp application serving one simulated vLLM engine."""
-    app = web.Application(client_max_size=64 * 1024**2)
+    middlewares = [_api_key_middleware(config.api_key)] if config.api_key else []
+    app = web.Application(client_max_size=64 * 1024**2, middlewares=middlewares)
     app[SIM_KEY] = Simulator(config)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -1107,6 +1124,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         "--fail-ratio", type=float, default=d.fail_ratio, help="fraction answered with 500"
     )
     parser.add_argument("--gpus", type=int, default=d.gpus, help="GPUs on /dcgm-metrics")
+    parser.add_argument("--api-key", default=d.api_key, help="require this key on /v1 (vLLM's)")
 
 
 def config_from_options(options: dict[str, Any]) -> SimConfig:
@@ -1124,6 +1142,7 @@ def config_from_options(options: dict[str, Any]) -> SimConfig:
         default_max_tokens=options["default_max_tokens"],
         fail_ratio=options.get("fail_ratio", 0.0),
         gpus=options.get("gpus", SimConfig.gpus),
+        api_key=options.get("api_key") or "",
     )
 
 

@@ -69,6 +69,8 @@ class WorkerView:
     metrics: Mapping[str, Any] = field(default_factory=dict)
     # Fresh GPU readings only; empty when no source reports (unknown, never zeros).
     gpus: tuple[GpuView, ...] = ()
+    # `Authorization` value for requests to this worker (its vLLM --api-key), or None.
+    upstream_authorization: str | None = field(default=None, repr=False)
 
     def heartbeat_age(self, now: float) -> float | None:
         return None if self.last_heartbeat is None else max(0.0, now - self.last_heartbeat)

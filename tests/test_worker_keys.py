@@ -1,0 +1,102 @@
+"""Workers started with vLLM's --api-key: the operator gives the key once, and the router,
+the probes and the admin LoRA calls send it; clients never see it, and a client's own key
+never reaches a worker. Real router process, simulated workers that enforce the key the way
+vLLM does (401 on /v1 paths without it)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from controlpanel import health
+from controlpanel.models import Worker, WorkerState
+from tests import keyed
+from tests.conftest import ADMIN_HEADERS, RouterServer, StartSimulator, wait_until
+from tests.keyed import bearer, issue
+
+pytestmark = pytest.mark.django_db(transaction=True)
+keyed_router = keyed.keyed_router  # the fixture
+WORKER_KEY = "wk-7f3a9c1e5b"
+CHAT = {"model": "guarded", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+def add_guarded(router: RouterServer, url: str, key: str = WORKER_KEY) -> httpx.Response:
+    body = {"url": url, "api_key": key}
+    return router.post("/api/workers", json=body, headers=ADMIN_HEADERS)
+
+
+def test_a_worker_that_needs_a_key_is_refused_without_it_with_a_hint(
+    router: RouterServer, simulator: StartSimulator
+) -> None:
+    sim = simulator("guarded", api_key=WORKER_KEY)
+    refused = add_guarded(router, sim.url, key="")
+    assert refused.status_code == 422
+    assert "API key" in refused.json()["error"]["message"]
+    wrong = add_guarded(router, sim.url, key="not-the-key")
+    assert wrong.status_code == 422 and "wrong" in wrong.json()["error"]["message"]
+    bad = add_guarded(router, sim.url, key="has space")
+    assert bad.status_code == 422
+    assert not Worker.objects.exists()
+
+
+def test_the_router_probes_and_loras_use_the_workers_key_and_never_show_it(
+    router: RouterServer, client: openai.OpenAI, simulator: StartSimulator
+) -> None:
+    sim = simulator("guarded", api_key=WORKER_KEY)
+    added = add_guarded(router, sim.url)
+    assert added.status_code == 201, added.text
+    assert added.json()["has_api_key"] is True and WORKER_KEY not in added.text
+    worker = Worker.objects.get(pk=added.json()["id"])
+    router.wait_routable(worker)
+
+    # The client fixture sends its own (unchecked) key: the worker must get its key instead.
+    reply = client.chat.completions.create(**CHAT)  # type: ignore[call-overload]
+    assert reply.choices[0].message.content
+    stream = client.chat.completions.create(**CHAT, stream=True)  # type: ignore[call-overload]
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    # Probes read /v1/models with the key, so the worker stays healthy and its models known.
+    for _ in range(3):
+        health.workers_probe()
+    worker.refresh_from_db()
+    assert worker.state == WorkerState.ACTIVE and not worker.last_error, worker.last_error
+    listed = router.get(f"/api/workers/{worker.pk}", headers=ADMIN_HEADERS)
+    assert WORKER_KEY not in listed.text and listed.json()["has_api_key"] is True
+    assert WORKER_KEY not in router.get("/list_workers").text
+
+    lora = router.post(
+        f"/api/workers/{worker.pk}/loras",
+        json={"lora_name": "sql", "lora_path": "/adapters/sql"},
+        headers=ADMIN_HEADERS,
+    )
+    assert lora.status_code == 200, lora.text
+    wait_until(lambda: "sql" in router.get("/list_models").json()["models"])
+
+    cleared = httpx.patch(
+        f"{router.url}/api/workers/{worker.pk}",
+        json={"api_key": ""},
+        headers=ADMIN_HEADERS,
+        timeout=10,
+    )
+    assert cleared.status_code == 200 and cleared.json()["has_api_key"] is False
+
+
+def test_a_clients_key_is_replaced_by_the_workers_key(
+    keyed_router: RouterServer, simulator: StartSimulator
+) -> None:
+    sim = simulator("guarded", api_key=WORKER_KEY)
+    assert add_guarded(keyed_router, sim.url).status_code == 201
+    secret = issue(keyed_router, "client")
+    wait_until(
+        lambda: (
+            "guarded"
+            in {
+                m["id"]
+                for m in keyed_router.get("/v1/models", headers=bearer(secret)).json()["data"]
+            }
+        )
+    )
+    answer = keyed_router.post("/v1/chat/completions", json=CHAT, headers=bearer(secret))
+    assert answer.status_code == 200, answer.text  # the worker took its own key, not cpk_...
+    assert WORKER_KEY not in answer.text and WORKER_KEY not in str(answer.headers)

@@ -14,6 +14,7 @@ urlpatterns = [
     path("workers/<int:worker_id>/activate", views.worker_activate, name="worker-activate"),
     path("workers/<int:worker_id>/remove", views.worker_remove, name="worker-remove"),
     path("workers/<int:worker_id>/gpus", views.worker_gpu_source, name="worker-gpu-source"),
+    path("workers/<int:worker_id>/api-key", views.worker_api_key, name="worker-api-key"),
     path("models/", views.models_page, name="models"),
     path("models/policy", views.model_policy, name="model-policy"),
     path("events/", views.events_page, name="events"),

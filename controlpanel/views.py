@@ -158,6 +158,26 @@ def worker_gpu_source(request: HttpRequest, worker_id: int) -> HttpResponse:
     return redirect("worker", worker_id=worker.pk)
 
 
+@staff_member_required
+@require_POST
+def worker_api_key(request: HttpRequest, worker_id: int) -> HttpResponse:
+    """Set, change or (with `clear`) remove the key the worker's vLLM requires."""
+    worker = get_object_or_404(Worker, pk=worker_id)
+    key = "" if request.POST.get("clear") == "1" else request.POST.get("api_key", "").strip()
+    if not key and request.POST.get("clear") != "1":
+        messages.info(request, "No key entered; nothing changed.")
+        return redirect("worker", worker_id=worker.pk)
+    try:
+        services.worker_update(
+            worker_id=worker.pk, name=None, weight=None, api_key=key, actor=_actor(request)
+        )
+    except services.ServiceError as exc:
+        messages.error(request, f"API key not changed: {exc}")
+    else:
+        messages.success(request, "API key saved." if key else "API key removed.")
+    return redirect("worker", worker_id=worker.pk)
+
+
 def _worker_action(request: HttpRequest, worker_id: int, action: str) -> HttpResponse:
     worker = get_object_or_404(Worker, pk=worker_id)
     if action == "drain":

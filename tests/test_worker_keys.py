@@ -14,6 +14,7 @@ from controlpanel.models import Worker, WorkerState
 from tests import keyed
 from tests.conftest import ADMIN_HEADERS, RouterServer, StartSimulator, wait_until
 from tests.keyed import bearer, issue
+from tests.test_pages import logged_in
 
 pytestmark = pytest.mark.django_db(transaction=True)
 keyed_router = keyed.keyed_router  # the fixture
@@ -100,3 +101,32 @@ def test_a_clients_key_is_replaced_by_the_workers_key(
     answer = keyed_router.post("/v1/chat/completions", json=CHAT, headers=bearer(secret))
     assert answer.status_code == 200, answer.text  # the worker took its own key, not cpk_...
     assert WORKER_KEY not in answer.text and WORKER_KEY not in str(answer.headers)
+
+
+def test_operators_set_and_remove_a_workers_key_in_the_dashboard(
+    router: RouterServer, simulator: StartSimulator
+) -> None:
+    session = logged_in(router)
+    token = session.cookies["csrftoken"]
+    sim = simulator("guarded", api_key=WORKER_KEY)
+    form = {"url": sim.url, "name": "g1", "api_key": WORKER_KEY, "csrfmiddlewaretoken": token}
+    assert session.post("/workers/add", data=form).status_code == 302
+    assert "Added g1, serving guarded." in session.get("/").text
+    worker = Worker.objects.get(name="g1")
+    page = session.get(f"/workers/{worker.pk}/").text
+    assert "Set: the router" in page and WORKER_KEY not in page
+
+    def post(**data: str) -> str:
+        answer = session.post(
+            f"/workers/{worker.pk}/api-key", data={**data, "csrfmiddlewaretoken": token}
+        )
+        assert answer.status_code == 302
+        return session.get(f"/workers/{worker.pk}/").text
+
+    assert "nothing changed" in post(api_key="  ")
+    assert Worker.objects.get(pk=worker.pk).api_key == WORKER_KEY
+    assert "API key not changed" in post(api_key="two words")
+    assert "API key saved." in post(api_key="wk-rotated")
+    assert Worker.objects.get(pk=worker.pk).api_key == "wk-rotated"
+    assert "API key removed." in post(clear="1")
+    assert Worker.objects.get(pk=worker.pk).api_key == ""

@@ -32,6 +32,7 @@ websocket_urlpatterns: list[Any] = [path("ws/fleet/", FleetConsumer.as_asgi())]
 def router_config() -> RouterConfig:
     return RouterConfig(
         connect_timeout=settings.ROUTER_CONNECT_TIMEOUT,
+        pool_timeout=settings.ROUTER_POOL_TIMEOUT,
         read_timeout=settings.ROUTER_READ_TIMEOUT,
         max_body_bytes=settings.MAX_BODY_BYTES,
         body_timeout=settings.ROUTER_BODY_TIMEOUT,

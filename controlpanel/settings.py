@@ -177,11 +177,13 @@ CONTROLPANEL_HEARTBEAT_INTERVAL = max(1, CONTROLPANEL_HEARTBEAT_EXPIRY // 3)
 CONTROLPANEL_DISCOVERY_TIMEOUT = env_float("CONTROLPANEL_DISCOVERY_TIMEOUT", 5.0, minimum=0.1)
 # Client API keys on the router (routing.auth): off by default, so a first run just works.
 CONTROLPANEL_REQUIRE_API_KEY = env_bool("CONTROLPANEL_REQUIRE_API_KEY", False)
-# One JSON line per proxied request on the `routing.access` logger (routing.access_log).
+# One JSON line per router request on the `routing.access` logger (routing.access_log).
 CONTROLPANEL_ACCESS_LOG = env_bool("CONTROLPANEL_ACCESS_LOG", True)
 
 # --- The router (data plane) ---------------------------------------------------------
 ROUTER_CONNECT_TIMEOUT = env_float("CONTROLPANEL_UPSTREAM_CONNECT_TIMEOUT", 5.0, minimum=0.1)
+# Waiting for a free pooled connection to a worker (all ..._PER_WORKER in use) + connecting.
+ROUTER_POOL_TIMEOUT = env_float("CONTROLPANEL_UPSTREAM_POOL_TIMEOUT", 30.0, minimum=0.1)
 # vLLM sends no byte of a non-streamed answer until it is complete, so the first-byte (and
 # between-chunks) limit must cover a whole long generation; there is no overall limit.
 ROUTER_READ_TIMEOUT = env_float("CONTROLPANEL_UPSTREAM_READ_TIMEOUT", 600.0, minimum=0.1)

@@ -130,6 +130,9 @@ _CAUSE_MAX_CHARS = 500
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     connect_timeout: float = 5.0
+    # For a free connection when the pool is full (max_connections_per_worker in use), then
+    # connecting: past it the request fails like a connect timeout (retried elsewhere).
+    pool_timeout: float = 30.0
     read_timeout: float = 600.0  # to the first byte, and between chunks; never overall
     max_body_bytes: int = 32 * 1024 * 1024
     body_timeout: float = 30.0  # seconds for the whole request body to arrive (else 408)
@@ -240,6 +243,7 @@ class RouterApp:
         )
         timeout = aiohttp.ClientTimeout(
             total=None,
+            connect=max(self.config.pool_timeout, self.config.connect_timeout),
             sock_connect=self.config.connect_timeout,
             sock_read=self.config.read_timeout,
         )

@@ -7,11 +7,12 @@ of its working set, the fleet 160 %), and timing that makes the cache matter: ``
 --prefill-ms-per-block 6 --itl-ms 2 --max-batch 8 --block-size 16``, so an uncached
 1,024-word prompt (64 blocks) costs about 390 ms of prefill and a cached turn 10-40 ms. The
 prefill cost is calibrated so that the two client-side baselines land where the issue's
-reference figures for this workload put them (client oracle 43 ms mean TTFT, round robin 220-240 ms): prefill on a GPU is
-time the GPU spends, not CPU the router's machine spends, and it is what a cache hit saves.
-(Until 2026-11-30 16:40 the default was 1 ms per block: the baselines then measured 23-25 and
-65 ms, and a Python proxy hop's few milliseconds of CPU on two shared cores weighed as much as
-the cache; ``--prefill-ms-per-block 1`` still reproduces that set-up.) One router (uvicorn serving
+reference figures for this workload put them (client oracle 43 ms mean TTFT, round robin
+220-240 ms): prefill on a GPU is time the GPU spends, not CPU the router's machine spends,
+and it is what a cache hit saves. (Until 2026-11-30 16:40 the default was 1 ms per block:
+the baselines then measured 23-25 and 65 ms, and a Python proxy hop's few milliseconds of
+CPU on two shared cores weighed as much as the cache; ``--prefill-ms-per-block 1`` still
+reproduces that set-up.) One router (uvicorn serving
 ``controlpanel.asgi``) runs on a throw-away SQLite database with the four workers added through
 ``POST /api/workers``, and a Celery worker with beat (health probes and metrics scrapes every
 second, drain housekeeping), as ``manage.py serve`` runs it. The load generator is this

@@ -14,7 +14,7 @@ import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from hashlib import blake2b
+from hashlib import shake_128
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,11 @@ from routing.policies import POLICIES, make_policy, policy_class
 from routing.policies.base import BasePolicy, RequestInfo
 from routing.policies.least_kv import LeastKVPolicy
 from routing.policies.load import by_queue_length, least_loaded, load_of
+from routing.policies.load_index import REBUILD_EVERY, LoadIndex
 from routing.policies.power_of_two import PowerOfTwoPolicy
 from routing.policies.round_robin import RoundRobinPolicy
 from routing.policies.session_affinity import SessionAffinityPolicy
+from routing.policies.shortest_queue import ShortestQueuePolicy
 from routing.policies.weighted_random import WeightedRandomPolicy
 from routing.snapshot import WorkerView
 from tests.factories import worker_view
@@ -165,6 +167,128 @@ def test_least_loaded_matches_brute_force() -> None:
         expected = min(ordered, key=lambda w: load_of(w, inflight))
         assert least_loaded(ordered, inflight) is expected
     assert least_loaded((), NO_INFLIGHT) is None
+
+
+# --- the load index (big fleets) ----------------------------------------------------------
+
+BIG = 300  # > INDEX_MIN_WORKERS: policies go through a LoadIndex
+
+
+def loads_of(workers: Sequence[WorkerView], inflight: Mapping[int, int]) -> list[int]:
+    return [load_of(w, inflight) for w in workers]
+
+
+def router_traffic(
+    policy: BasePolicy,
+    workers: Sequence[WorkerView],
+    steps: int,
+    rng: random.Random,
+    inflight: Counter[int],
+    check: Any,
+) -> None:
+    """Decisions as the router makes them: +1 before on_request_start, -1 before
+    on_request_complete (a random request in flight completes now and then). `check(chosen,
+    loads before)` runs after every decision."""
+    running: list[WorkerView] = []
+    for _ in range(steps):
+        before = loads_of(workers, inflight)
+        chosen = pick(policy, workers, REQUEST, inflight)
+        check(chosen, before)
+        inflight[chosen.id] += 1
+        policy.on_request_start(chosen, REQUEST)
+        running.append(chosen)
+        while running and rng.random() < 0.45:
+            done = running.pop(rng.randrange(len(running)))
+            inflight[done.id] -= 1
+            policy.on_request_complete(done, REQUEST, True)
+
+
+def test_index_is_built_for_a_tuple_seen_twice_in_a_row() -> None:
+    index = LoadIndex(random.Random(1))
+    workers, inflight = fleet(BIG), {1: 2}
+    assert not index.use(list(workers), inflight)  # a list: always scanned
+    assert not index.use(fleet(10), inflight)  # a small fleet: scanned
+    assert not index.use(workers, inflight)  # first time: scanned
+    assert index.use(workers, inflight) and index.builds == 1
+    for _ in range(5):  # one-off tuples in between (retries, subsets) are scanned...
+        assert not index.use(workers[1:], inflight)
+        assert index.use(workers, inflight)  # ...and leave the index alone
+    assert index.builds == 1
+    assert index.use(workers, {1: 2}) and index.builds == 2  # another mapping: rebuilt
+    assert workers[index.least(inflight)].id != 1
+
+
+def test_shortest_queue_big_fleet_is_exactly_least_loaded() -> None:
+    rng = random.Random(3)
+    policy = ShortestQueuePolicy()
+    policy.rng.seed(4)
+    workers = tuple(worker(i, queue_length=rng.choice([None, 0, 1, 3])) for i in range(BIG))
+    inflight: Counter[int] = Counter()
+
+    def check(chosen: WorkerView, before: list[int]) -> None:
+        assert load_of(chosen, inflight) == min(before)
+
+    router_traffic(policy, workers, 4000, rng, inflight, check)
+    assert policy._index.builds >= 4000 // REBUILD_EVERY
+    # Superseded entries are dropped: the heap stays near one entry per worker.
+    assert len(policy._index._heap) <= BIG + 2 * REBUILD_EVERY
+    assert all(v >= 0 for v in inflight.values())
+
+
+def test_shortest_queue_big_fleet_breaks_ties_at_random() -> None:
+    policy = ShortestQueuePolicy()
+    policy.rng.seed(5)
+    workers = fleet(BIG)
+    inflight: Counter[int] = Counter()
+    first_round = []
+    for _ in range(BIG):  # an idle fleet, nothing completes: each worker once, in some order
+        chosen = pick(policy, workers, REQUEST, inflight)
+        inflight[chosen.id] += 1
+        policy.on_request_start(chosen, REQUEST)
+        first_round.append(chosen.id)
+    assert sorted(first_round) == [w.id for w in workers]
+    assert first_round[:20] != sorted(first_round[:20])  # not in list order
+    # Without the hooks (equal loads that never change), every worker still gets its turn.
+    picked = counts(policy, workers, 30 * BIG, inflight)
+    assert set(picked) == {w.id for w in workers}
+    assert max(picked.values()) < 3 * 30, max(picked.values())
+
+
+def test_index_notices_unseen_changes_in_time() -> None:
+    """A change no hook reports (another model's requests on a shared worker): a fall is
+    seen within REBUILD_EVERY decisions, a rise at once."""
+    policy = ShortestQueuePolicy()
+    policy.rng.seed(6)
+    workers = fleet(BIG)
+    inflight = {w.id: 5 for w in workers}
+    pick(policy, workers, REQUEST, inflight)
+    pick(policy, workers, REQUEST, inflight)  # indexed from here
+    inflight[7] = 0  # fell, unseen: until then the others (at 5) are taken
+    late = 0
+    while pick(policy, workers, REQUEST, inflight).id != 7:
+        late += 1
+    assert late <= REBUILD_EVERY
+    assert counts(policy, workers, 50, inflight) == {7: 50}  # now it is known
+    inflight[7] = 6  # rose, unseen: checked before use, so never taken at 6
+    picked = counts(policy, workers, 2 * REBUILD_EVERY, inflight)
+    assert 7 not in picked and len(picked) > 100
+
+
+@pytest.mark.parametrize("case", ["least_kv", "session_affinity"])
+def test_deterministic_fallbacks_are_the_same_on_big_fleets(case: str) -> None:
+    """least_kv's fallback and session_affinity's no-key path take the least loaded, the
+    smaller queue then the earlier on a tie: through the index the very same worker."""
+    rng = random.Random(8)
+    policy: BasePolicy = LeastKVPolicy() if case == "least_kv" else SessionAffinityPolicy()
+    workers = tuple(worker(i, queue_length=rng.choice([None, 0, 1, 2])) for i in range(BIG))
+    ordered = by_queue_length(workers)
+    inflight: Counter[int] = Counter({w.id: rng.randint(0, 3) for w in workers})
+
+    def check(chosen: WorkerView, before: list[int]) -> None:
+        assert chosen is least_loaded(ordered, inflight)
+
+    router_traffic(policy, workers, 3000, rng, inflight, check)
+    assert policy.decisions == {"fallback" if case == "least_kv" else "no_key": 3000}
 
 
 # --- round robin --------------------------------------------------------------------------
@@ -393,18 +517,25 @@ def test_session_affinity_same_key_same_worker() -> None:
     assert all(80 < n < 170 for n in Counter(first.values()).values()), Counter(first.values())
 
 
+def documented_score(key: str, worker_id: int) -> int:
+    """session_affinity's score, from its docstring: the shortest clockwise distance on a
+    2**64 ring from any of the key's 8 probes to any of the worker's 32 points."""
+
+    def words(data: bytes, n: int) -> list[int]:
+        raw = shake_128(data).digest(8 * n)
+        return [int.from_bytes(raw[i : i + 8], "little") for i in range(0, 8 * n, 8)]
+
+    probes, points = words(b"key:" + key.encode(), 8), words(b"worker:%d" % worker_id, 32)
+    return min((point - probe) % 2**64 for probe in probes for point in points)
+
+
 def test_session_affinity_uses_the_documented_hash() -> None:
-    """blake2b(f"{key}:{worker.id}", digest_size=8), highest wins: a change of formula would
-    move every session at upgrade, so it is pinned here."""
+    """A change of formula would move every session at upgrade, so it is pinned here."""
     ids = [3, 17, 42, 99, 1000]
     workers = tuple(worker(i) for i in ids)
     policy = SessionAffinityPolicy()
     for key in KEYS[:200]:
-
-        def score(worker_id: int, key: str = key) -> bytes:
-            return blake2b(f"{key}:{worker_id}".encode(), digest_size=8).digest()
-
-        expected = sorted(ids, key=score, reverse=True)
+        expected = sorted(ids, key=lambda worker_id, key=key: documented_score(key, worker_id))
         assert [w.id for w in policy.ranking(workers, key)] == expected
         chosen = policy.select(workers, session(key), NO_INFLIGHT)
         assert chosen is not None and chosen.id == expected[0]
@@ -536,10 +667,62 @@ def test_session_affinity_keeps_cache_across_snapshots_with_same_ids() -> None:
     assert very_long not in policy._cache
 
 
+def test_session_affinity_spreads_keys_evenly() -> None:
+    """Each worker's share of the keys is 1/n give or take a few percent: the ring's
+    unevenness (about 5 % of 1/n) plus the sampling noise of 1,000 keys a worker (3 %)."""
+    for first_id in (1, 500):
+        workers = tuple(worker(i) for i in range(first_id, first_id + 40))
+        policy = SessionAffinityPolicy({"cache_size": 0})
+        shares = Counter(placement(policy, workers, [f"k{i}" for i in range(40_000)]).values())
+        ratios = [shares[w.id] / 1000 for w in workers]
+        assert min(ratios) > 0.75 and max(ratios) < 1.25, ratios
+        mean = sum(ratios) / len(ratios)
+        assert (sum((r - mean) ** 2 for r in ratios) / len(ratios)) ** 0.5 < 0.09
+
+
+def test_session_affinity_big_fleet_moves_only_what_it_must() -> None:
+    workers = fleet(BIG)
+    keys = [f"user-{i}" for i in range(15_000)]
+    policy = SessionAffinityPolicy()
+    before = placement(policy, workers, keys)
+    gone = {5, 77, 150}
+    after = placement(policy, tuple(w for w in workers if w.id not in gone), keys)
+    moved = {key for key in keys if before[key] != after[key]}
+    assert moved == {key for key in keys if before[key] in gone}
+    # They spread: ~158 keys drawn over 297 workers at random would land on ~122 of them.
+    assert len({after[key] for key in moved}) > 100
+    joined = placement(policy, (*workers, worker(BIG + 1)), keys)
+    taken = [key for key in keys if joined[key] != before[key]]
+    assert all(joined[key] == BIG + 1 for key in taken)
+    assert 0.6 / (BIG + 1) < len(taken) / len(keys) < 1.4 / (BIG + 1), len(taken)
+
+
+def test_session_affinity_keeps_ring_and_cache_while_workers_only_leave() -> None:
+    workers = fleet(BIG)
+    policy = SessionAffinityPolicy({"max_load": 1})
+    uncached = SessionAffinityPolicy({"cache_size": 0, "max_load": 1})
+    placement(policy, workers, KEYS)
+    placement(uncached, workers, KEYS)
+    ring = policy._points
+    for step in range(1, 6):  # a retry's list, ejections, drains: subsets of the ring's ids
+        subset = tuple(w for w in workers if w.id % 7 != step)
+        inflight = {w.id: w.id % 3 for w in workers}  # a third are over max_load
+        for key in KEYS[:300]:
+            a = policy.select(subset, session(key), inflight)
+            assert a is uncached.select(subset, session(key), inflight) and a in subset
+        assert policy._points is ring and len(policy._cache) == len(KEYS)
+    assert policy.decisions == uncached.decisions and policy.decisions["overflow"] > 100
+    placement(policy, workers[: BIG // 3 - 5], KEYS[:1])  # most ids gone: a smaller ring
+    assert policy._points is not ring and len(policy._cache) == 1
+    policy.select((*workers, worker(BIG + 1)), session("k"), NO_INFLIGHT)  # an id joins
+    assert len(policy._ring_ids) == BIG + 1 and list(policy._cache) == ["k"]
+
+
 STABILITY_SCRIPT = """
 import json, sys
 from dataclasses import replace
 from routing.policies.session_affinity import SessionAffinityPolicy
+from routing.policies.shortest_queue import ShortestQueuePolicy
 from routing.policies.base import RequestInfo
 from routing.snapshot import ModelEntry, WorkerView
 from tests.factories import worker_view

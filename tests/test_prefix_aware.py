@@ -476,6 +476,55 @@ def test_a_new_snapshot_tuple_is_read_afresh() -> None:
     assert ask(policy, first, text + " c").id == 0  # and back
 
 
+# -- big fleets: the load index ----------------------------------------------------------------
+
+BIG = 200  # > INDEX_MIN_WORKERS
+
+
+def test_big_fleet_decides_as_the_scan_does_when_loads_differ() -> None:
+    """From 128 workers the least loaded and the guard's minimum come from a LoadIndex; with
+    distinct loads (no ties to draw) every decision is the scan's, hooks keeping it exact."""
+    rng = random.Random(3)
+    config = {"balance_abs_threshold": 3, "balance_rel_threshold": 1.0, "chunk_chars": 16}
+    indexed, scanning = make(config), make(config)
+    scanning._index.min_workers = 10**9
+    workers = tuple(fleet(BIG))
+    loads = list(range(BIG))
+    rng.shuffle(loads)
+    inflight = dict(enumerate(loads))  # a permutation: every load differs
+    systems = [words(f"s{i}-", 30) for i in range(12)]
+    for step in range(1500):
+        text = rng.choice(systems) + " " + words(f"u{rng.randrange(50)}-", rng.randrange(1, 8))
+        if step % 9 == 0:
+            text = ""  # no prompt text: by load
+        request = RequestInfo("m", {}, (), text=text)
+        a = indexed.select(workers, request, inflight)
+        b = scanning.select(workers, request, inflight)
+        assert a is not None and a is b
+        i, j = rng.sample(range(BIG), 2)  # two workers swap loads, as the hooks report
+        inflight[i], inflight[j] = inflight[j], inflight[i]
+        for policy in (indexed, scanning):
+            policy.on_request_start(workers[i], request)
+            policy.on_request_complete(workers[j], request, True)
+    assert indexed.decisions == scanning.decisions
+    assert set(indexed.decisions) == {"prefix", "load", "miss"}
+    assert indexed._index.builds > 1500 // 256 and scanning._index.builds == 0
+
+
+def test_big_fleet_miss_prefers_small_trees_among_the_least_loaded() -> None:
+    """A miss takes the smallest tree among up to 8 of the workers tied at the least load:
+    not always the smallest of all, but with half the trees big, hardly ever a big one."""
+    policy = make()
+    workers = tuple(fleet(BIG))
+    for w in workers[: BIG // 2]:
+        policy.insert(w.id, words(f"big{w.id}-", 400))
+    busy = {w.id: 1 for w in workers[BIG // 2 : BIG // 2 + 20]}  # 20 small trees: not least
+    chosen = [ask(policy, workers, words(f"new{i}-", 20), busy).id for i in range(60)]
+    assert all(c not in busy for c in chosen)
+    assert sum(c >= BIG // 2 for c in chosen) >= 55
+    assert policy.decisions == {"miss": 60}
+
+
 # -- configuration -----------------------------------------------------------------------------
 
 

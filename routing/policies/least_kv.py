@@ -17,8 +17,9 @@ when the snapshot was built) known and <= `max_metrics_age`, and `kv_cache_usage
 worker whose metrics are missing or stale is passed over while any fresh one exists (so a
 newly added worker gets traffic from its first scrape on). When no candidate has fresh
 metrics the policy does not guess: it takes the least loaded worker (in-flight + reported
-queue length, the earlier one on a tie, never at random) and counts the decision as
-"fallback", so /metrics shows how often least_kv had nothing to go on.
+queue length; on a tie the smaller reported queue, then the earlier in the list, never at
+random) and counts the decision as "fallback", so /metrics shows how often least_kv had
+nothing to go on.
 
 Decisions counted: "kv" (chosen on fresh metrics), "fallback" (no fresh metrics anywhere).
 
@@ -31,7 +32,12 @@ Config knobs:
 
 Cost: the fresh workers are ordered by usage once per snapshot; a decision scans them in that
 order and stops once a worker's usage alone exceeds the best score found (the penalty can only
-add to it), so it usually looks at a handful of workers even in a fleet of a thousand.
+add to it), so it usually looks at a handful of workers even in a fleet of a thousand. The
+fallback scans the workers ordered by reported queue length and stops once a queue alone
+reaches the best load (routing.policies.load.least_loaded): quick on an idle fleet, but a
+pass over every worker once they all have requests in flight; so from 128 workers on it asks
+a `LoadIndex` instead (O(log n); the same answer while only this policy's requests change its
+workers' in-flight counts, see routing.policies.load_index).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from typing import Any
 
 from routing.policies.base import BasePolicy, RequestInfo
 from routing.policies.load import by_queue_length, check_keys, least_loaded, number
+from routing.policies.load_index import LoadIndex
 from routing.snapshot import WorkerView
 
 
@@ -59,6 +66,7 @@ class LeastKVPolicy(BasePolicy):
         self._size = 0
         self._fresh: tuple[tuple[float, WorkerView], ...] = ()
         self._by_queue: tuple[WorkerView, ...] = ()
+        self._loads = LoadIndex()  # for the fallback, from 128 workers
 
     def select(
         self, workers: Sequence[WorkerView], request: RequestInfo, inflight: Mapping[int, int]
@@ -69,9 +77,17 @@ class LeastKVPolicy(BasePolicy):
             if not workers:
                 return None
             self.decisions["fallback"] += 1
+            if self._loads.use(workers, inflight):
+                return workers[self._loads.least(inflight)]
             return least_loaded(self._by_queue, inflight)
         self.decisions["kv"] += 1
         return self._lowest_score(inflight)
+
+    def on_request_start(self, worker: WorkerView, request: RequestInfo) -> None:
+        self._loads.touch(worker.id)
+
+    def on_request_complete(self, worker: WorkerView, request: RequestInfo, ok: bool) -> None:
+        self._loads.touch(worker.id)
 
     def _lowest_score(self, inflight: Mapping[int, int]) -> WorkerView:
         """Scan the fresh workers by ascending usage. A later worker scores at least its

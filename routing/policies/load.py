@@ -5,7 +5,9 @@ it plus the queue length the worker last reported, so a worker kept busy by anot
 still looks busy. Only the in-flight part changes between snapshots, and it never goes below
 zero, so a list ordered once per snapshot by reported queue length lets `least_loaded` stop
 scanning as soon as no later worker can beat the best one found: on an idle fleet that is
-the first worker, whatever the fleet's size.
+the first worker, whatever the fleet's size; on a fleet where every worker has requests in
+flight it is every worker, which is why big fleets ask a routing.policies.load_index
+`LoadIndex` instead.
 """
 
 from __future__ import annotations

@@ -62,9 +62,24 @@ Hence a worker's match is found by a *binary search* over the prompt's chunks (O
 chunks) lookups), and the fleet's longest match without looking at every worker: an index
 from first-chunk hash to the workers holding it names the workers in the running; the
 search runs on one of them, then one lookup per other such worker asks whether anyone
-holds the next chunk (if so, the search goes on among those). Per-worker work in a
-decision is otherwise a C-level pass for the loads and, on a miss, one for the tree
-sizes; ids and queue lengths are cached per snapshot tuple.
+holds the next chunk (if so, the search goes on among those). Ids and queue lengths are
+cached per snapshot tuple.
+
+Loads, and what is exact from which fleet size
+----------------------------------------------
+Below 128 workers (routing.policies.load_index.INDEX_MIN_WORKERS), and for the first
+decision over a worker tuple not seen before, a decision reads every worker's load (one
+C-level pass) and, on a miss, the tree size of every worker tied at the least load: the
+rules above hold exactly. From 128 workers on, the second and later decisions over the same
+tuple (the router passes its snapshot's until the next swap) ask a `LoadIndex`, a lazy
+min-heap of loads rebuilt per tuple and every 256 decisions, for the least load (the guard's
+``min_load``) and the least loaded worker (a spill, a prompt without text), and read the
+loads of the longest match's holders only: O(log n) per decision instead of O(n). Those
+answers are exact while only this policy's requests change the in-flight counts of its
+workers; a worker that another model's requests load too is seen at once when its load
+rose, and within 256 decisions when it fell (see that module). One rule is approximate
+there: a miss goes to the smallest tree among up to 8 of the workers tied at the least load
+(a random sample of them), not among all of them.
 
 Age is tracked by time marks in each tree rather than a timestamp per entry: crediting
 a prompt ends by moving the tree's newest mark to the end (stamped now), or by adding a
@@ -150,6 +165,7 @@ from operator import add, attrgetter, eq, is_not
 from typing import Any
 
 from routing.policies.base import BasePolicy, RequestInfo
+from routing.policies.load_index import LoadIndex
 from routing.request_text import request_text
 from routing.snapshot import WorkerView
 
@@ -246,6 +262,7 @@ class PrefixAwarePolicy(BasePolicy):
         self._fleet_ids: list[int] = []
         self._fleet_queues: list[int] = []
         self._fleet_pos: dict[int, int] = {}
+        self._index = LoadIndex(self._rng)  # the least loaded, from 128 workers
 
     # -- the decision ---------------------------------------------------------------------
 
@@ -257,11 +274,16 @@ class PrefixAwarePolicy(BasePolicy):
         now = float(self._clock())
         text = request.text if request.text is not None else request_text(request.body)
         ids, queues, pos = self._fleet_of(workers)
-        loads = list(map(add, map(inflight.get, ids, repeat(0)), queues))
+        # Below 128 workers every load, once; from 128 on (the tuple's second decision on)
+        # the index answers for the least loaded, and only candidates' loads are read.
+        index = self._index if self._index.use(workers, inflight) else None
+        loads = None
+        if index is None:
+            loads = list(map(add, map(inflight.get, ids, repeat(0)), queues))
         hashes = self._chain(text)
         held: int | None = None  # chunks of this prompt the chosen worker holds, if known
         if not hashes:
-            reason, at = "load", self._least(loads)
+            reason, at = "load", self._lightest(loads, inflight)
         else:
             depth, holders, trees = self._match(hashes, pos)
             matched = min(self._ends[depth - 1], len(text)) if depth else 0
@@ -271,13 +293,19 @@ class PrefixAwarePolicy(BasePolicy):
                     holders = self._holding(hashes[depth - 1], holders, trees)[0]
                 at = pos[holders[0]]
                 if len(holders) > 1:
-                    at = self._least(loads, [pos[h] for h in holders])
-                if self._overloaded(loads[at], min(loads)):
-                    reason, held, at = "load", None, self._least(loads)
-            else:
+                    spots = [pos[h] for h in holders]
+                    at = spots[self._least([inflight.get(ids[i], 0) + queues[i] for i in spots])]
+                low = min(loads) if loads is not None else self._index.min_load(inflight)
+                if self._overloaded(inflight.get(ids[at], 0) + queues[at], low):
+                    reason, held, at = "load", None, self._lightest(loads, inflight)
+            elif loads is not None:
                 reason, at = "miss", self._least(loads, ids=ids)
+            else:
+                reason, at = "miss", self._smallest_tree(self._index.least_tied(inflight, 8), ids)
         chosen = workers[at]
         self.decisions[reason] += 1
+        if index is not None:
+            index.touch(chosen.id)
         budget = _SWEEP_BASE + len(hashes)
         if hashes:
             self._insert(chosen.id, hashes, now, held)
@@ -287,6 +315,12 @@ class PrefixAwarePolicy(BasePolicy):
         if self._sweep_queue:
             self._sweep(self._sweep_queue.pop(), now, budget)
         return chosen
+
+    def on_request_start(self, worker: WorkerView, request: RequestInfo) -> None:
+        self._index.touch(worker.id)
+
+    def on_request_complete(self, worker: WorkerView, request: RequestInfo, ok: bool) -> None:
+        self._index.touch(worker.id)
 
     def _fleet_of(
         self, workers: Sequence[WorkerView]
@@ -307,22 +341,27 @@ class PrefixAwarePolicy(BasePolicy):
         """The load guard: `load` is past both thresholds over the least loaded's `low`."""
         return load - low > self.balance_abs_threshold and load > self.balance_rel_threshold * low
 
-    def _least(
-        self, loads: list[int], at: list[int] | None = None, *, ids: list[int] | None = None
-    ) -> int:
-        """The position of the least loaded worker, of all or of the positions `at`; ties go
-        to the smallest tree when the workers' `ids` are given, then at random."""
-        keys = loads if at is None else [loads[i] for i in at]
+    def _lightest(self, loads: list[int] | None, inflight: Mapping[int, int]) -> int:
+        """The position of a least loaded worker: from `loads`, or the index's (None)."""
+        return self._least(loads) if loads is not None else self._index.least(inflight)
+
+    def _least(self, keys: list[int], *, ids: list[int] | None = None) -> int:
+        """The index of the least of `keys` (loads); ties go to the smallest tree when the
+        workers' `ids` are given, then at random."""
         low = min(keys)
         k = keys.index(low)
         if keys.count(low) > 1:
             ties = list(compress(count(), map(eq, keys, repeat(low))))
-            if ids is not None:
-                trees = [self._sizes.get(ids[i], 0) for i in ties]
-                smallest = min(trees)
-                ties = list(compress(ties, map(eq, trees, repeat(smallest))))
-            k = ties[0] if len(ties) == 1 else self._rng.choice(ties)
-        return k if at is None else at[k]
+            k = self._smallest_tree(ties, ids) if ids is not None else self._rng.choice(ties)
+        return k
+
+    def _smallest_tree(self, spots: list[int], ids: list[int]) -> int:
+        """Of the positions `spots`, the one whose worker's tree is smallest (random on a
+        tie)."""
+        trees = [self._sizes.get(ids[i], 0) for i in spots]
+        smallest = min(trees)
+        spots = list(compress(spots, map(eq, trees, repeat(smallest))))
+        return spots[0] if len(spots) == 1 else self._rng.choice(spots)
 
     # -- matching -------------------------------------------------------------------------
 

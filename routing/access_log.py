@@ -1,11 +1,13 @@
 """Request IDs and the router's structured access log.
 
-Every proxied request gets an id: the client's `X-Request-ID` when it sent a sensible one
-(up to MAX_REQUEST_ID printable ASCII characters), otherwise a new random one. The id is
-forwarded to the worker (vLLM names its own request after it), returned to the client in
-the answer's `X-Request-ID`, and written in the access log: one JSON object per request,
-on the `routing.access` logger, with what happened and never with what was asked: no
-prompt text, and of the client's key only its public prefix.
+Every request the router answers gets an id: the client's `X-Request-ID` when it sent a
+sensible one (up to MAX_REQUEST_ID printable ASCII characters), otherwise a new random one.
+On the model routes the id is forwarded to the worker (vLLM names its own request after it);
+on every route, model routes, /v1/models, the seed listings, /health, /metrics and the
+router's own 401s, 404s and 405s alike, it is returned in the answer's `X-Request-ID` and
+written in the access log: one JSON object per request, on the `routing.access` logger, with
+what happened and never with what was asked: no prompt text, and of the client's key only
+its public prefix. `model` and `worker` are null where there is none, as on /health.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def enabled() -> bool:
 
 
 def write(scope: MutableMapping[str, Any], trace: RequestTrace, rid: bytes, worker: str) -> None:
-    """One line per proxied request, at its end."""
+    """One line per request, at its end."""
     key = scope.get(SCOPE_KEY)
     first_byte = trace.first_byte
     line = {

@@ -14,8 +14,10 @@ Rate limits are token buckets per key:
 - `tpm`: holds up to tpm tokens and refills at tpm/60 a second. A request is let in while the
   bucket is above zero; the prompt and completion tokens its answer reports in `usage` are
   taken afterwards, so one big answer can push the bucket below zero, which holds the key's
-  next requests until it has refilled. Only answers that carry `usage` count (streams only
-  with `stream_options: {"include_usage": true}`).
+  next requests until it has refilled. Only answers that carry `usage` count; a stream
+  that did not ask for it with `stream_options: {"include_usage": true}` is asked for it by
+  the router, which takes the usage event out again before the client sees it
+  (routing.usage.ask_for_usage), so streaming is no way around the limit.
 
 With `REDIS_URL` set the buckets live in Redis (routing.shared_store), shared by every router
 process. Without it, or while Redis is unreachable, each process keeps its own, and with N
@@ -183,9 +185,19 @@ class ClientGate:
                 return _refusal(key, "rpm", wait)
         return None
 
-    def metered(self, send: Send, key: ClientKey, model: str) -> Send:
-        """`send`, with the answer counted and its `usage` read on its way to the client."""
-        return UsageTap(self.usage, key.id, model, lambda used: self._charge(key, used)).wrap(send)
+    def metered(
+        self, send: Send, key: ClientKey, model: str, *, cut_usage_event: bool = False
+    ) -> Send:
+        """`send`, with the answer counted and its `usage` read on its way to the client;
+        `cut_usage_event` when the router asked for the usage (routing.usage.ask_for_usage)."""
+        tap = UsageTap(
+            self.usage,
+            key.id,
+            model,
+            lambda used: self._charge(key, used),
+            cut_usage_event=cut_usage_event,
+        )
+        return tap.wrap(send)
 
     def _charge(self, key: ClientKey, tokens: int) -> None:
         """Both: the shared bucket for the limit, the local one in case Redis goes away."""

@@ -3,6 +3,10 @@
 Per request it reads the body once, parses it once (only to learn `model`), picks a worker
 from the in-memory snapshot, forwards the untouched bytes over one long-lived aiohttp
 session and relays the answer chunk by chunk as it arrives. No ORM, no Django, no buffer.
+Two edits it makes, both spliced into the bytes: an alias's target name in place of the
+alias (routing.aliases, renamed back in the answer), and, for a client key's stream that
+did not ask for usage, `stream_options.include_usage` (routing.usage, its extra chunk cut
+from the answer) so that streaming is no way around token accounting.
 A client that goes away cancels the upstream request at once, so vLLM frees its KV cache.
 """
 
@@ -42,6 +46,7 @@ from routing.policies.base import BasePolicy, RequestInfo
 from routing.request_text import request_text
 from routing.shared_store import SharedStore
 from routing.snapshot import ModelRoute, Snapshot, WorkerView
+from routing.usage import ask_for_usage
 
 log = logging.getLogger(__name__)
 
@@ -260,10 +265,24 @@ class RouterApp:
     # --- ASGI entry -----------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] in MODEL_ROUTES:
+            return await self._proxy(scope, receive, send)
+        # Every other answer carries a request id and leaves an access-log line too.
+        trace = RequestTrace(perf_counter())
+        rid = trace.request_id = access_log.request_id(scope)
+        try:
+            await self._answer(scope, _with_request_id(send, trace))
+        except Exception:
+            trace.status = trace.status or 500  # uvicorn answers an escaped error with a 500
+            raise
+        finally:
+            if access_log.enabled():
+                access_log.write(scope, trace, rid, "")
+
+    async def _answer(self, scope: Scope, send: Send) -> None:
+        """The listings, /health, /metrics, and the 404s and 405s of the router's paths."""
         path = scope["path"]
         method = scope["method"]
-        if path in MODEL_ROUTES:
-            return await self._proxy(scope, receive, send)
         if method != "GET":
             if path in GET_ROUTES or path.startswith("/v1/models/"):
                 return await _respond_error(send, 405, f"{method} is not allowed on {path}")
@@ -344,7 +363,9 @@ class RouterApp:
         if client is not None:  # by the name the client asked for, alias or model
             if refusal := await self.gate.admit(client, model):
                 return await _refuse(send, refusal, trace)
-            send = self.gate.metered(send, client, model)
+            if (asked := ask_for_usage(scope["path"], body, payload)) is not None:
+                body = asked  # a stream that would go uncounted; the answer is cut to match
+            send = self.gate.metered(send, client, model, cut_usage_event=asked is not None)
         await self._route(scope, receive, send, trace, body, payload, model)
 
     async def _route(
@@ -892,3 +913,16 @@ async def _refuse(send: Send, refusal: Refusal, trace: RequestTrace | None = Non
         trace.status = refusal.status
         headers.append((access_log.HEADER, trace.request_id))
     await _respond_error(send, status, refusal.message, refusal.param, extra_headers=headers)
+
+
+def _with_request_id(send: Send, trace: RequestTrace) -> Send:
+    """`send` for the answers of the other routes: each carries the request's id, and its
+    status goes in `trace` for the access log."""
+
+    async def send_with_id(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            trace.status = message["status"]
+            message["headers"] = [*message["headers"], (access_log.HEADER, trace.request_id)]
+        await send(message)
+
+    return send_with_id

@@ -721,13 +721,14 @@ class _Frames:
         done = b"data: [DONE]\n\n"
         if not self.job.include_usage:
             return done
+        # vLLM writes this chunk with exclude_none: no `"prompt_tokens_details": null`.
         usage: dict[str, Any] = {
             "id": self.job.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
             "model": self.job.model,
             "choices": [],
-            "usage": _usage(self.job),
+            "usage": {k: v for k, v in _usage(self.job).items() if v is not None},
         }
         return b"data: " + orjson.dumps(usage) + b"\n\n" + done
 

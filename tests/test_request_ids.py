@@ -1,16 +1,21 @@
-"""Request IDs travel client -> router -> worker -> client, and each proxied request leaves
-one JSON access-log line without its prompt."""
+"""Request IDs travel client -> router -> worker -> client, and each request leaves one JSON
+access-log line without its prompt: model routes, and every other route of the router."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import httpx
 import pytest
 
+from routing.auth import PREFIX_LENGTH
+from tests import keyed
 from tests.conftest import AddWorker, RouterServer, StartSimulator, wait_until
+from tests.keyed import bearer, issue
 
 pytestmark = pytest.mark.django_db(transaction=True)
+keyed_router = keyed.keyed_router  # the fixture
 SECRET_PROMPT = "the-secret-prompt-text-42"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 2}
 
@@ -75,3 +80,59 @@ def test_router_made_errors_carry_an_id_and_are_logged(router: RouterServer) -> 
     [line] = wait_until(lambda: access_lines(router, "e-1"))
     assert line["status"] == 404 and line["worker"] is None and line["model"] is None
     assert wait_until(lambda: access_lines(router, "e-2"))[0]["status"] == 400
+
+
+# Every answer that is not a model route's: listings, seed endpoints, 404s and 405s.
+OTHER_ROUTES = [
+    ("GET", "/v1/models", 200),
+    ("GET", "/v1/models/m", 200),
+    ("GET", "/v1/models/nobody", 404),
+    ("GET", "/list_models", 200),
+    ("GET", "/list_workers", 200),
+    ("GET", "/health", 200),
+    ("GET", "/metrics", 200),
+    ("GET", "/v1/no-such-route", 404),
+    ("GET", "/sleep", 404),
+    ("POST", "/v1/models", 405),
+    ("DELETE", "/health", 405),
+]
+
+
+def test_every_other_route_returns_the_request_id_and_logs_its_line(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
+    add_worker(simulator("m"))
+    for i, (method, path, status) in enumerate(OTHER_ROUTES):
+        sent = f"other.{i:02d}"
+        response = httpx.request(
+            method, router.url + path, headers={"X-Request-ID": sent}, timeout=10
+        )
+        assert response.status_code == status, (path, response.text)
+        assert response.headers.get_list("x-request-id") == [sent], path
+        made = httpx.request(method, router.url + path, timeout=10).headers["x-request-id"]
+        assert len(made) == 32 and int(made, 16) >= 0, path
+
+    wait_until(lambda: access_lines(router, f"other.{len(OTHER_ROUTES) - 1:02d}"))
+    [line] = access_lines(router, "other.00")
+    assert line["method"] == "GET" and line["path"] == "/v1/models" and line["status"] == 200
+    assert line["model"] is None and line["worker"] is None and line["key"] is None
+    assert line["duration_ms"] >= 0 and line["ttft_ms"] is None
+    for i, (method, path, status) in enumerate(OTHER_ROUTES):
+        [line] = access_lines(router, f"other.{i:02d}")
+        assert (line["method"], line["path"], line["status"]) == (method, path, status)
+
+
+def test_refusals_of_the_key_check_carry_an_id_and_are_logged(
+    keyed_router: RouterServer,
+) -> None:
+    refused = keyed_router.get("/v1/models", headers={"X-Request-ID": "no-key-1"})
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "no-key-1"
+    secret = issue(keyed_router, "rid")
+    headers = {**bearer(secret), "X-Request-ID": "keyed-1"}
+    listed = keyed_router.get("/v1/models", headers=headers)
+    assert listed.status_code == 200 and listed.headers["x-request-id"] == "keyed-1"
+    [line] = wait_until(lambda: access_lines(keyed_router, "no-key-1"))
+    assert line["status"] == 401 and line["key"] is None
+    [line] = wait_until(lambda: access_lines(keyed_router, "keyed-1"))
+    assert line["status"] == 200 and line["key"] == secret[:PREFIX_LENGTH]
+    assert secret not in keyed_router.log()

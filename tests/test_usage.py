@@ -1,13 +1,16 @@
 """Usage accounting: tokens per key and model read from the workers' `usage`, in the
-non-streamed body and in a stream's final chunk, summed in memory by each router and
+non-streamed body and in a stream's final chunk (asked for by the router, and cut out again,
+when a keyed client streams without asking for it), summed in memory by each router and
 written by its refresher; shown on /usage/ and /api/usage."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 from django.contrib.auth import get_user_model
@@ -15,10 +18,18 @@ from django.contrib.auth import get_user_model
 from controlpanel import keys
 from controlpanel.models import ApiKey, KeyUsage
 from routing.auth import TokenBucket
-from routing.usage import TAIL_BYTES, UsageLedger, UsageTap, find_usage
+from routing.usage import (
+    MAX_USAGE_EVENT,
+    TAIL_BYTES,
+    UsageEventCutter,
+    UsageLedger,
+    UsageTap,
+    ask_for_usage,
+    find_usage,
+)
 from tests import keyed
-from tests.conftest import ADMIN_HEADERS, RouterServer, StartSimulator, wait_until
-from tests.keyed import add_keyed_worker, bearer, issue, openai_client
+from tests.conftest import ADMIN_HEADERS, AddWorker, RouterServer, StartSimulator, wait_until
+from tests.keyed import add_keyed_worker, bearer, error_of, issue, openai_client
 
 keyed_router = keyed.keyed_router  # the fixture
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "one two three"}]}
@@ -52,16 +63,16 @@ def test_usage_is_found_in_bodies_and_final_stream_events() -> None:
         assert find_usage(nothing) is None
 
 
-def _tap_run(chunks: list[bytes], headers: list[tuple[bytes, bytes]], status: int = 200) -> (
-    tuple[UsageLedger, list[int], list[dict[str, Any]]]
-):  # fmt: skip
+def _tap_run(
+    chunks: list[bytes], headers: list[tuple[bytes, bytes]], status: int = 200, *, cut: bool = False
+) -> tuple[UsageLedger, list[int], list[dict[str, Any]]]:
     ledger, charged, sent = UsageLedger(), [], []
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
     async def run() -> None:
-        tapped = UsageTap(ledger, 1, "m", charged.append).wrap(send)
+        tapped = UsageTap(ledger, 1, "m", charged.append, cut_usage_event=cut).wrap(send)
         await tapped({"type": "http.response.start", "status": status, "headers": headers})
         for i, chunk in enumerate(chunks):
             more = i < len(chunks) - 1
@@ -84,6 +95,128 @@ def test_the_tap_relays_every_message_and_reads_usage_split_across_chunks() -> N
     assert ledger.take() == {(1, "m"): (1, 0, 0)} and charged == []
     ledger, charged, _ = _tap_run([b'{"error":{},"usage":{"prompt_tokens":1}}'], sse, 400)
     assert not ledger and charged == []
+
+
+def _chunk(delta: bytes, finish: bytes = b"null") -> bytes:
+    head = b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
+    choice = b'"choices":[{"index":0,"delta":' + delta + b',"logprobs":null,"finish_reason":'
+    return head + choice + finish + b"}]}\n\n"
+
+
+# A vLLM stream asked with include_usage: the usage-only event comes just before [DONE].
+USAGE_EVENT = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
+    b'"choices":[],"usage":{"prompt_tokens":3,"total_tokens":5,"completion_tokens":2}}\n\n'
+)
+STREAM_EVENTS = [
+    _chunk(b'{"role":"assistant","content":""}'),
+    _chunk(b'{"content":"say \\"usage\\": {\\"choices\\":[]} "}'),  # text, not a field
+    _chunk(b'{"content":"x"}', b'"length"'),
+    USAGE_EVENT,
+    b"data: [DONE]\n\n",
+]
+STREAM = b"".join(STREAM_EVENTS)
+WITHOUT_USAGE = STREAM.replace(USAGE_EVENT, b"")
+
+
+def _cut(chunks: list[bytes]) -> list[bytes]:
+    cutter = UsageEventCutter()
+    out = [cutter.feed(chunk) for chunk in chunks]
+    return [*out, cutter.flush()]
+
+
+def test_the_cutter_takes_out_only_the_usage_event_and_holds_no_event_back() -> None:
+    # One event per chunk, as vLLM writes them: each leaves at once, byte for byte.
+    assert _cut(STREAM_EVENTS) == [*STREAM_EVENTS[:3], b"", STREAM_EVENTS[4], b""]
+    # Split anywhere, in two or three pieces: the same bytes, minus the usage event.
+    for at in range(1, len(STREAM)):
+        assert b"".join(_cut([STREAM[:at], STREAM[at:]])) == WITHOUT_USAGE, at
+        assert b"".join(_cut([STREAM[: at // 2], STREAM[at // 2 : at], STREAM[at:]])) == (
+            WITHOUT_USAGE
+        ), at
+    # An unfinished event waits only until it shows it is not the usage event.
+    event = STREAM_EVENTS[2]
+    cutter = UsageEventCutter()
+    assert cutter.feed(event[:40]) == b""
+    assert cutter.feed(event[40:-10]) == event[:-10]
+    assert cutter.feed(event[-10:]) == event[-10:]
+    huge = b'data: {"id":"' + b"x" * MAX_USAGE_EVENT
+    assert UsageEventCutter().feed(huge) == huge
+
+
+def test_the_cutter_leaves_other_streams_as_they_are() -> None:
+    with_nulls = STREAM.replace(USAGE_EVENT, b"").replace(b"]}\n", b'],"usage":null}\n')
+    assert b"".join(_cut([with_nulls])) == with_nulls
+    crlf = STREAM.replace(b"\n", b"\r\n")
+    at = crlf.index(b"\r") + 20
+    assert _cut([crlf[:at], crlf[at:]]) == [crlf[:at], crlf[at:], b""]
+    error = b'data: {"error":{"message":"boom","usage":{}}}\n\n'
+    assert b"".join(_cut([STREAM_EVENTS[0], error])) == STREAM_EVENTS[0] + error
+
+
+def test_a_tap_that_cuts_reads_the_usage_and_relays_the_rest() -> None:
+    sse = [(b"content-type", b"text/event-stream; charset=utf-8")]
+    chunks = [STREAM[:100], STREAM[100:-30], STREAM[-30:], b""]
+    ledger, charged, sent = _tap_run(chunks, sse, cut=True)
+    assert b"".join(m["body"] for m in sent[1:]) == WITHOUT_USAGE
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    assert ledger.take() == {(1, "m"): (1, 3, 2)} and charged == [5]
+    # The tokens are charged before [DONE] leaves, so the client's next request sees them.
+    charged_when_done: list[list[int]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if b"[DONE]" in message.get("body", b""):
+            charged_when_done.append(list(charged))
+
+    async def run() -> None:
+        tapped = UsageTap(UsageLedger(), 1, "m", charged.append, cut_usage_event=True).wrap(send)
+        await tapped({"type": "http.response.start", "status": 200, "headers": sse})
+        for event in STREAM_EVENTS:
+            await tapped({"type": "http.response.body", "body": event, "more_body": True})
+
+    charged.clear()
+    asyncio.run(run())
+    assert charged_when_done == [[5]]
+    error = b'{"error":{"message":"bad"},"choices":[],"usage":{}}'
+    _, _, sent = _tap_run([error], [(b"content-type", b"application/json")], 400, cut=True)
+    assert sent[1]["body"] == error
+
+
+def _asked(body: bytes, path: str = "/v1/chat/completions") -> bytes | None:
+    payload = orjson.loads(body)
+    asked = ask_for_usage(path, body, payload)
+    if asked is not None:
+        assert orjson.loads(asked) == payload  # the parsed body follows (aliases rewrite it)
+    return asked
+
+
+def test_the_router_asks_for_the_usage_of_streams_that_did_not() -> None:
+    raw = b'{"model" : "m", "stream": true,\n "top_p": 1.0e0, "x": "}"}\n'
+    assert _asked(raw) == (
+        b'{"model" : "m", "stream": true,\n "top_p": 1.0e0, "x": "}"'
+        b',"stream_options":{"include_usage":true}}\n'
+    )
+    assert _asked(b'{"model":"m","prompt":"a","stream":1}', "/v1/completions")
+    merged = _asked(
+        b'{"model":"m","stream":"yes","stream_options":{"continuous_usage_stats":true,"x":1}}'
+    )
+    assert merged and orjson.loads(merged)["stream_options"] == {"x": 1, "include_usage": True}
+    for options in (b"null", b'{"include_usage":false}', b'{"include_usage":"off"}'):
+        body = b'{"model":"m","stream":true,"stream_options":' + options + b"}"
+        asked = _asked(body)
+        assert asked and orjson.loads(asked)["stream_options"] == {"include_usage": True}
+    for untouched in (
+        b'{"model":"m"}',
+        b'{"model":"m","stream":false}',
+        b'{"model":"m","stream":"no"}',
+        b'{"model":"m","stream":true,"stream_options":{"include_usage":true}}',
+        b'{"model":"m","stream":true,"stream_options":{"include_usage":"True"}}',
+        b'{"model":"m","stream":true,"stream_options":"usage"}',
+        b'{"model":"m","stream":true,"stream_options":[]}',
+    ):
+        assert _asked(untouched) is None, untouched
+    for path in ("/v1/embeddings", "/v1/responses", "/v1/messages", "/tokenize"):
+        assert _asked(b'{"model":"m","stream":true}', path) is None
 
 
 def test_the_ledger_gives_back_what_could_not_be_written() -> None:
@@ -125,7 +258,8 @@ def test_usage_of_plain_and_streamed_answers_is_recorded_per_key_and_model(
         )
     )
     assert streamed[-1].usage is not None
-    list(client.chat.completions.create(**CHAT, max_tokens=5, stream=True))  # no usage sent
+    quiet = list(client.chat.completions.create(**CHAT, max_tokens=5, stream=True))
+    assert all(chunk.usage is None and chunk.choices for chunk in quiet)  # none was asked
     completion = client.completions.create(model="m", prompt="a b", max_tokens=2)
     assert plain.usage is not None and completion.usage is not None
     key = ApiKey.objects.get(name="team")
@@ -134,9 +268,9 @@ def test_usage_of_plain_and_streamed_answers_is_recorded_per_key_and_model(
         row = KeyUsage.objects.filter(api_key=key, model="m").first()
         return row and (row.requests, row.prompt_tokens, row.completion_tokens)
 
-    # Four answered requests; the stream without include_usage brought no token counts.
-    expected_prompt = plain.usage.prompt_tokens * 2 + completion.usage.prompt_tokens
-    wait_until(lambda: recorded() == (4, expected_prompt, 4 + 6 + 2), timeout=6)
+    # Four answered requests, the stream without include_usage counted too (the router asked).
+    expected_prompt = plain.usage.prompt_tokens * 3 + completion.usage.prompt_tokens
+    wait_until(lambda: recorded() == (4, expected_prompt, 4 + 6 + 5 + 2), timeout=6)
     totals = keyed_router.get("/api/usage", headers=ADMIN_HEADERS).json()
     assert {k: v for k, v in totals[-1].items() if k in ("key_name", "model", "requests")} == {
         "key_name": "team",
@@ -186,3 +320,94 @@ def test_usage_page_shows_totals_per_key_and_model(keyed_router: RouterServer) -
     assert f'data-key="{first.pk}" data-model="m"' in page
     assert ">4<" in page and ">40<" in page and ">16<" in page  # 3+1 requests, 30+10, 12+4
     assert session.get("/usage/", params={"period": "nonsense"}).status_code == 200
+
+
+def _sse(text: str) -> list[str]:
+    assert text.endswith("\n\n"), text[-50:]
+    return [event.removeprefix("data: ") for event in text.strip().split("\n\n")]
+
+
+def _forwarded(sim: Any) -> dict[str, Any]:
+    return [r for r in sim.state.requests if r["path"] == "/v1/chat/completions"][-1]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stream_without_include_usage_is_counted_against_tpm_and_shown_no_usage(
+    keyed_router: RouterServer, simulator: StartSimulator
+) -> None:
+    everything = issue(keyed_router, "ops")
+    sim = simulator("m")
+    add_keyed_worker(keyed_router, sim, everything)
+    frugal = issue(keyed_router, "frugal", tpm=30)
+    body = orjson.dumps({**CHAT, "max_tokens": 40, "stream": True})  # past the minute's tokens
+    headers = {**bearer(frugal), "Content-Type": "application/json", "X-Request-ID": "s-1"}
+    streamed = keyed_router.post("/v1/chat/completions", content=body, headers=headers)
+    assert streamed.status_code == 200
+    events = _sse(streamed.text)
+    assert events[-1] == "[DONE]" and len(events) == 1 + 40 + 1  # role, tokens, [DONE]
+    assert all(orjson.loads(e)["choices"] and "usage" not in e for e in events[:-1])
+    # The worker was asked for the usage; the client got its stream byte for byte without it.
+    forwarded = _forwarded(sim)["body"]
+    assert forwarded == body[:-1] + b',"stream_options":{"include_usage":true}}'
+    direct = httpx.post(
+        f"{sim.url}/v1/chat/completions",
+        content=forwarded,
+        headers={"X-Request-ID": "s-1", "Content-Type": "application/json"},
+    )
+    usage_event = _sse(direct.text)[-2]
+    assert orjson.loads(usage_event)["choices"] == []
+    expected = direct.text.replace(f"data: {usage_event}\n\n", "")
+    assert re.sub(r'"created":\d+', "", streamed.text) == re.sub(r'"created":\d+', "", expected)
+
+    refused = keyed_router.post("/v1/chat/completions", json=CHAT, headers=bearer(frugal))
+    assert refused.status_code == 429 and "tokens per minute (30)" in error_of(refused)["message"]
+    key = ApiKey.objects.get(name="frugal")
+    wait_until(
+        lambda: KeyUsage.objects.filter(api_key=key, model="m", completion_tokens=40).exists(),
+        timeout=6,
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_openai_streams_are_counted_and_asked_usage_still_reaches_the_client(
+    keyed_router: RouterServer, simulator: StartSimulator
+) -> None:
+    everything = issue(keyed_router, "ops")
+    sim = simulator("m")
+    add_keyed_worker(keyed_router, sim, everything)
+    client = openai_client(keyed_router, issue(keyed_router, "sdk", tpm=30))
+    chunks = list(client.chat.completions.create(**CHAT, max_tokens=40, stream=True))
+    assert chunks and all(c.usage is None and c.choices for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(**CHAT, max_tokens=1)
+
+    # A client that asks for the usage itself gets it, and its body goes on untouched.
+    other = openai_client(keyed_router, issue(keyed_router, "asks"))
+    asked = list(
+        other.completions.create(
+            model="m",
+            prompt="a b",
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert asked[-1].choices == [] and asked[-1].usage is not None
+    assert asked[-1].usage.completion_tokens == 3
+    forwarded = [r for r in sim.state.requests if r["path"] == "/v1/completions"][-1]
+    assert orjson.loads(forwarded["body"])["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_streams_without_a_key_are_not_touched(
+    router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
+) -> None:
+    sim = simulator("m")
+    add_worker(sim)
+    body = orjson.dumps({**CHAT, "max_tokens": 3, "stream": True})
+    streamed = router.post(
+        "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert _sse(streamed.text)[-1] == "[DONE]"
+    assert _forwarded(sim)["body"] == body

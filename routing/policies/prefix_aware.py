@@ -107,9 +107,11 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     How many requests more than the least loaded worker the candidate must *exceed*,
     together with the relative threshold, for the request to go by load instead. The
     default is SGLang's, for GPU workers that run dozens to hundreds of sequences at once;
-    with smaller batches set it lower, to about half the workers' batch (e.g. 4 for
+    with smaller batches set it lower, to about one batch of the workers (e.g. 8 for
     workers that run 8 at once, as in bench/routing_policies.py): 32 then never triggers
-    and a hot prefix queues on one worker. 0 with a relative threshold of 1 is plain
+    and a hot prefix queues on one worker. Lower spills sooner, which pays when a cache
+    miss is cheap (short prompts, fast prefill); with long shared prefixes every spill is
+    a full prefill, so wait for a real queue (bench/RESULTS.md compares 4, 8 and 32). 0 with a relative threshold of 1 is plain
     shortest-queue whenever loads differ.
 ``balance_rel_threshold`` (number >= 1, default 1.1)
     The candidate's load must also exceed this multiple of the least loaded worker's, so

@@ -29,8 +29,15 @@ def forwarded_ids(sim: Any) -> list[str]:
 
 
 def access_lines(router: RouterServer, request_id: str) -> list[dict[str, Any]]:
-    lines = [line for line in router.log().splitlines() if request_id in line]
-    return [json.loads(line) for line in lines]
+    """The access-log lines of one request id. The router's log also holds uvicorn's and
+    the control plane's own lines, which are not JSON and may contain the id's text."""
+    found = []
+    for line in router.log().splitlines():
+        if line.startswith("{") and request_id in line:
+            entry = json.loads(line)
+            if entry.get("request_id") == request_id:
+                found.append(entry)
+    return found
 
 
 def test_a_client_request_id_goes_upstream_and_comes_back(

@@ -2,15 +2,19 @@
 
 Requests that had not started on it succeed elsewhere (retries), streams that were on it end
 with an error event within a second, nobody hangs, the router stops sending it requests
-within 5 s, and once restarted it rejoins by itself (Celery's probes readmit it)."""
+within 5 s, and once restarted it rejoins by itself (Celery's probes readmit it). Afterwards
+nothing has leaked: no request counted in flight, no half-closed connection, no sockets
+beyond idle keep-alive ones."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -66,6 +70,25 @@ def one_stream(url: str) -> Stream:
     return record
 
 
+def socket_fds(pid: int) -> set[str]:
+    """The inodes of the process's open sockets (Linux /proc)."""
+    fd_dir = Path(f"/proc/{pid}/fd")
+    links = (os.readlink(fd_dir / fd) for fd in os.listdir(fd_dir))
+    return {link[8:-1] for link in links if link.startswith("socket:[")}
+
+
+def close_wait(pid: int) -> int:
+    """How many of the process's TCP sockets the peer has closed and the process has not:
+    a connection leaked after its worker died would sit in CLOSE_WAIT."""
+    mine = socket_fds(pid)
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            count += fields[3] == "08" and fields[9] in mine  # 08: CLOSE_WAIT
+    return count
+
+
 def upstream_errors(router: RouterServer, worker: str) -> float:
     total = 0.0
     for line in router.get("/metrics").text.splitlines():
@@ -86,6 +109,7 @@ def test_killing_a_worker_under_load(
             for i, p in enumerate(ports)
         ]
         router.wait_routable(*workers)
+        sockets_before = len(socket_fds(router.proc.pid))
         streams: list[Stream] = []
         stop = threading.Event()
 
@@ -115,6 +139,13 @@ def test_killing_a_worker_under_load(
         for thread in threads:
             thread.join(timeout=30)
             assert not thread.is_alive(), "a client hung"
+        # No leaks: nothing counted in flight, no connection left half-closed, and beyond
+        # the sockets open before the load only idle keep-alive connections to the two
+        # workers (at most one per client thread each).
+        wait_until(lambda: router.get("/health").json()["inflight"] == 0)
+        assert close_wait(router.proc.pid) == 0
+        grown = len(socket_fds(router.proc.pid)) - sockets_before
+        assert grown <= len(threads) * len(ports), grown
     finally:
         for sim in sims:
             stop_process(sim)

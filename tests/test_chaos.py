@@ -77,16 +77,19 @@ def socket_fds(pid: int) -> set[str]:
     return {link[8:-1] for link in links if link.startswith("socket:[")}
 
 
-def close_wait(pid: int) -> int:
-    """How many of the process's TCP sockets the peer has closed and the process has not:
-    a connection leaked after its worker died would sit in CLOSE_WAIT."""
+def close_wait(pid: int, ports: list[int]) -> list[int]:
+    """The remote ports, among `ports`, of the process's TCP sockets that the peer has
+    closed and the process has not: a connection leaked after its worker died would sit in
+    CLOSE_WAIT."""
     mine = socket_fds(pid)
-    count = 0
+    found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
-            count += fields[3] == "08" and fields[9] in mine  # 08: CLOSE_WAIT
-    return count
+            remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+            if fields[3] == "08" and fields[9] in mine and remote_port in ports:  # CLOSE_WAIT
+                found.append(remote_port)
+    return found
 
 
 def upstream_errors(router: RouterServer, worker: str) -> float:
@@ -143,7 +146,7 @@ def test_killing_a_worker_under_load(
         # the sockets open before the load only idle keep-alive connections to the two
         # workers (at most one per client thread each).
         wait_until(lambda: router.get("/health").json()["inflight"] == 0)
-        assert close_wait(router.proc.pid) == 0
+        assert close_wait(router.proc.pid, ports) == []
         grown = len(socket_fds(router.proc.pid)) - sockets_before
         assert grown <= len(threads) * len(ports), grown
     finally:

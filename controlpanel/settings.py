@@ -105,6 +105,17 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
         "transaction_mode": "IMMEDIATE",
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
+else:
+    # Under ASGI every request's sync code may run on a thread of its own, and a persistent
+    # connection per thread outlives the thread: a busy router process ran PostgreSQL out of
+    # connections ("too many clients"). Django's pool (psycopg_pool) hands one back at the
+    # end of each request instead; Django requires CONN_MAX_AGE 0 with it.
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": 1,
+        "max_size": env_int("CONTROLPANEL_DB_POOL_SIZE", 10, minimum=2),
+        "timeout": 10,
+    }
 DATABASES["default"]["TEST"] = {"NAME": env_str("CONTROLPANEL_TEST_DB_NAME") or None}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

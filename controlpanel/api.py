@@ -3,11 +3,13 @@ endpoint authenticates, calls one service and shapes the answer."""
 
 from __future__ import annotations
 
+import logging
 import secrets
 from datetime import datetime
 from typing import Any
 
 from django.conf import settings
+from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from ninja import Field, NinjaAPI, Schema
@@ -18,6 +20,8 @@ from ninja.security.session import SessionAuthIsStaff
 from controlpanel import gpu, loras, selectors, services
 from controlpanel.models import ServedModel, Worker
 from routing.policies import POLICIES
+
+log = logging.getLogger(__name__)
 
 api = NinjaAPI(
     title="vLLM Control Panel API",
@@ -121,6 +125,26 @@ def _auth_hint(request: HttpRequest) -> str:
 @api.exception_handler(HttpError)
 def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
     return _error(request, exc.status_code, str(exc), "HttpError")
+
+
+@api.exception_handler(DatabaseError)
+def _database_down(request: HttpRequest, exc: DatabaseError) -> HttpResponse:
+    """The registry's database failed (down, out of connections, a lock): nothing was
+    changed, and the caller may retry; the router keeps serving from its snapshot."""
+    log.error("admin API %s %s: database error: %s", request.method, request.path, exc)
+    response = _error(
+        request, 503, "the control plane's database is unavailable; retry shortly", "DatabaseError"
+    )
+    response["Retry-After"] = "5"
+    return response
+
+
+@api.exception_handler(Exception)
+def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
+    """A bug: logged with its traceback, answered in the API's JSON error shape rather than
+    Django's HTML page."""
+    log.exception("admin API %s %s failed", request.method, request.path)
+    return _error(request, 500, "internal error; see the server log", "InternalServerError")
 
 
 # --- schemas ----------------------------------------------------------------------------

@@ -114,7 +114,7 @@ else:
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
         "min_size": 1,
         "max_size": env_int("CONTROLPANEL_DB_POOL_SIZE", 10, minimum=2),
-        "timeout": 10,
+        "timeout": 5,  # for a connection: an admin call fails (503) rather than hang
     }
 DATABASES["default"]["TEST"] = {"NAME": env_str("CONTROLPANEL_TEST_DB_NAME") or None}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

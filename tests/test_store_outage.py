@@ -192,6 +192,16 @@ def test_the_router_serves_from_its_snapshot_while_the_database_is_down(
     degraded = wait_until(lambda: (h := health(router))["status"] == "degraded" and h, timeout=10)
     assert degraded["snapshot_error"], degraded
     assert degraded["routable_workers"] == 1
+    # An admin change cannot be written: a 503 in the API's JSON shape, not an HTML page.
+    refused = httpx.post(
+        f"{router.url}/api/workers",
+        json={"url": simulator("during").url},
+        headers=ADMIN_HEADERS,
+        timeout=30,
+    )
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["type"] == "DatabaseError"
+    assert refused.headers["retry-after"]
     for _ in range(10):
         response = chat(router, "before")
         assert response.status_code == 200, response.text

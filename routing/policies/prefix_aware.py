@@ -111,8 +111,8 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     workers that run 8 at once, as in bench/routing_policies.py): 32 then never triggers
     and a hot prefix queues on one worker. Lower spills sooner, which pays when a cache
     miss is cheap (short prompts, fast prefill); with long shared prefixes every spill is
-    a full prefill, so wait for a real queue (bench/RESULTS.md compares 4, 8 and 32). 0 with a relative threshold of 1 is plain
-    shortest-queue whenever loads differ.
+    a full prefill, so wait for a real queue (bench/RESULTS.md compares 4, 8 and 32).
+    0 with a relative threshold of 1 is plain shortest-queue whenever loads differ.
 ``balance_rel_threshold`` (number >= 1, default 1.1)
     The candidate's load must also exceed this multiple of the least loaded worker's, so
     that at high load a difference of a few requests does not cost a cache miss.

@@ -51,11 +51,13 @@ class Agent:
         interval: float | None = None,
         dcgm_url: str = "",
         nvml: NvmlReader | None = None,
+        vllm_api_key: str = "",
     ) -> None:
         self.controller = controller.rstrip("/")
         self.worker_url = worker_url.rstrip("/")
         self.name = name
         self.dcgm_url = dcgm_url
+        self.vllm_api_key = vllm_api_key  # the server's --api-key, for the router to send
         self.nvml = nvml or NvmlReader()
         self.interval = interval
         self.worker_id: int | None = None
@@ -85,6 +87,8 @@ class Agent:
         payload = {"url": self.worker_url, "name": self.name}
         if self.dcgm_url:
             payload["dcgm_url"] = self.dcgm_url
+        if self.vllm_api_key:
+            payload["api_key"] = self.vllm_api_key
         response = self.http.post(f"{self.controller}/api/workers/register", json=payload)
         response.raise_for_status()
         body = response.json()

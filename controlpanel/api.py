@@ -243,6 +243,8 @@ class RegisterIn(Schema):
     dcgm_url: str | None = Field(default=None, max_length=MAX_URL)
     # Bare names or vLLM /v1/models entries; absent means "ask the server itself".
     models: list[str | dict[str, Any]] | None = None
+    # The server's --api-key, for the router, probes and LoRA calls; None leaves it as set.
+    api_key: str | None = Field(default=None, max_length=512)
 
 
 class RegisterOut(Schema):
@@ -381,7 +383,11 @@ def workers_remove(request: HttpRequest, worker_id: int) -> Any:
 @api.post("/workers/register", response=RegisterOut, auth=AGENT_AUTH, tags=["agent"])
 def workers_register(request: HttpRequest, payload: RegisterIn) -> Any:
     worker = services.worker_register(
-        url=payload.url, models=payload.models, name=payload.name, dcgm_url=payload.dcgm_url
+        url=payload.url,
+        models=payload.models,
+        name=payload.name,
+        dcgm_url=payload.dcgm_url,
+        api_key=payload.api_key,
     )
     return {"id": worker.pk, "heartbeat_interval": settings.CONTROLPANEL_HEARTBEAT_INTERVAL}
 

@@ -219,18 +219,19 @@ def worker_register(
     models: list[Any] | None = None,
     name: str = "",
     dcgm_url: str | None = None,
+    api_key: str | None = None,
     actor: str = "agent",
 ) -> Worker:
     """Idempotent by URL: an agent calls it at start and again whenever the controller has
-    forgotten it, and each call leaves one up-to-date row. `dcgm_url` None leaves the
-    worker's DCGM exporter as it was (an operator may have set it)."""
+    forgotten it, and each call leaves one up-to-date row. `dcgm_url` and `api_key` None
+    leave the worker's DCGM exporter and key as they were (an operator may have set them)."""
     normalized = _normalized(url)
     exporter = None if dcgm_url is None else _dcgm_url(dcgm_url)
-    known_key = Worker.objects.filter(url=normalized).values_list("api_key", flat=True).first()
+    key = None if api_key is None else _api_key(api_key)
+    if key is None:
+        key = Worker.objects.filter(url=normalized).values_list("api_key", flat=True).first()
     entries = (
-        models_from_agent(models)
-        if models
-        else discover_models(url=normalized, api_key=known_key or "")
+        models_from_agent(models) if models else discover_models(url=normalized, api_key=key or "")
     )
     now = timezone.now()
     with transaction.atomic():
@@ -242,6 +243,7 @@ def worker_register(
                 "models": entries,
                 "last_heartbeat": now,
                 "dcgm_url": exporter or "",
+                "api_key": key or "",
             },
         )
         if created:
@@ -254,6 +256,8 @@ def worker_register(
         else:
             if exporter is not None and exporter != worker.dcgm_url:
                 _dcgm_url_set(worker, exporter)
+            if api_key is not None:
+                worker.api_key = key or ""  # saved with the rest by _reregister
             _reregister(worker, entries=entries, name=name, now=now, actor=actor)
         served_models_ensure(entries)
         RoutingGeneration.bump()

@@ -8,11 +8,19 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from django.conf import settings
 
 from controlpanel import health
+from controlpanel.agent import Agent
 from controlpanel.models import Worker, WorkerState
 from tests import keyed
-from tests.conftest import ADMIN_HEADERS, RouterServer, StartSimulator, wait_until
+from tests.conftest import (
+    ADMIN_HEADERS,
+    AGENT_HEADERS,
+    RouterServer,
+    StartSimulator,
+    wait_until,
+)
 from tests.keyed import bearer, issue
 from tests.test_pages import logged_in
 
@@ -130,3 +138,25 @@ def test_operators_set_and_remove_a_workers_key_in_the_dashboard(
     assert Worker.objects.get(pk=worker.pk).api_key == "wk-rotated"
     assert "API key removed." in post(clear="1")
     assert Worker.objects.get(pk=worker.pk).api_key == ""
+
+
+def test_an_agent_beside_a_keyed_vllm_hands_its_key_over_at_registration(
+    router: RouterServer, client: openai.OpenAI, simulator: StartSimulator
+) -> None:
+    sim = simulator("guarded", api_key=WORKER_KEY)
+    agent = Agent(
+        controller=router.url,
+        worker_url=sim.url,
+        token=settings.CONTROLPANEL_WORKER_TOKEN,
+        interval=1,
+        vllm_api_key=WORKER_KEY,
+    )
+    agent.register()  # the controller discovers the models with the agent's key
+    worker = Worker.objects.get(pk=agent.worker_id)
+    assert worker.api_key == WORKER_KEY
+    router.wait_routable(worker)
+    assert client.chat.completions.create(**CHAT).choices  # type: ignore[call-overload]
+    # Registering again without a key leaves the one set (an operator may have set it).
+    again = router.post("/api/workers/register", json={"url": sim.url}, headers=AGENT_HEADERS)
+    assert again.status_code == 200 and WORKER_KEY not in again.text
+    assert Worker.objects.get(pk=worker.pk).api_key == WORKER_KEY

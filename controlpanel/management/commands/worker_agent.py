@@ -1,4 +1,5 @@
 import logging
+import os
 from typing import Any
 
 from django.conf import settings
@@ -25,6 +26,12 @@ class Command(BaseCommand):
             help="this worker's DCGM exporter, e.g. http://127.0.0.1:9400/metrics (optional)",
         )
         parser.add_argument(
+            "--vllm-api-key",
+            default=os.environ.get("VLLM_API_KEY", ""),
+            help="the key the vLLM server requires (default: $VLLM_API_KEY, as vLLM reads "
+            "it); sent to the controller once, at registration, for the router to use",
+        )
+        parser.add_argument(
             "--token",
             default=None,
             help="worker token (default: $CONTROLPANEL_WORKER_TOKEN)",
@@ -39,6 +46,7 @@ class Command(BaseCommand):
             name=options["name"],
             interval=options["interval"],
             dcgm_url=options["dcgm_url"],
+            vllm_api_key=options["vllm_api_key"],
         )
         agent.install_signal_handlers()
         agent.run()

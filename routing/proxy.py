@@ -270,11 +270,16 @@ class RouterApp:
         # Every other answer carries a request id and leaves an access-log line too.
         trace = RequestTrace(perf_counter())
         rid = trace.request_id = access_log.request_id(scope)
+        send = _with_request_id(send, trace)
         try:
-            await self._answer(scope, _with_request_id(send, trace))
+            await self._answer(scope, send)
         except Exception:
-            trace.status = trace.status or 500  # uvicorn answers an escaped error with a 500
-            raise
+            if trace.status:
+                raise  # mid-answer: only uvicorn can end the connection now
+            # A bug, answered like any other error (JSON, with the request id to find it by).
+            shown = rid.decode("ascii")
+            log.exception("router %s %s failed (request %s)", scope["method"], scope["path"], shown)
+            await _respond_error(send, 500, f"internal error; see the router log for {shown}")
         finally:
             if access_log.enabled():
                 access_log.write(scope, trace, rid, "")

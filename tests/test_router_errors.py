@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import socket
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from controlpanel.models import RoutingGeneration, ServedModel, Worker, WorkerSource
+from routing.proxy import RouterApp
 from tests.conftest import AddWorker, RouterServer, StartSimulator, free_port, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -219,3 +223,40 @@ def test_error_rate_on_the_dashboard_comes_from_real_traffic(
         return {row.worker.pk: row.metrics["error_rate"] for row in dashboard.fleet_rows()}
 
     wait_until(lambda: rates() == {good.pk: 0.0, bad.pk: 1.0})
+
+
+def test_a_bug_on_a_listing_route_is_a_json_500_with_the_request_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fault injection in-process: the listing raises. The client still gets an answer in
+    the OpenAI error shape carrying its request id, and the router keeps serving."""
+    app = RouterApp()
+
+    def broken() -> list[dict[str, object]]:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(app, "list_workers", broken)
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/list_workers",
+        "headers": [(b"x-request-id", b"bug-1")],
+        "query_string": b"",
+    }
+    asyncio.run(app(scope, receive, send))
+    start, body = sent[0], b"".join(m.get("body", b"") for m in sent[1:])
+    assert start["status"] == 500
+    assert (b"x-request-id", b"bug-1") in start["headers"]
+    error = json.loads(body)["error"]
+    assert error["code"] == 500 and "bug-1" in error["message"]
+    sent.clear()
+    asyncio.run(app({**scope, "path": "/health", "headers": []}, receive, send))
+    assert sent[0]["status"] == 200

@@ -13,6 +13,7 @@ from django.conf import settings
 from django.db import transaction
 
 from controlpanel.models import EventKind, RoutingGeneration, Worker
+from controlpanel.probes import worker_auth
 from controlpanel.services import (
     ServiceError,
     discover_models,
@@ -50,7 +51,7 @@ def _call(worker: Worker, endpoint: str, body: dict[str, str]) -> None:
         response = httpx.post(
             url,
             json=body,
-            headers=worker.auth_headers(),
+            headers=worker_auth(worker.api_key),
             timeout=settings.CONTROLPANEL_DISCOVERY_TIMEOUT,
         )
     except httpx.HTTPError as exc:

@@ -91,10 +91,6 @@ class Worker(models.Model):
     class Meta:
         ordering = ["name", "id"]
 
-    def auth_headers(self) -> dict[str, str]:
-        """What every call to this server carries: its key, when it has one."""
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
     def __str__(self) -> str:
         return f"{self.name} ({self.url})"
 

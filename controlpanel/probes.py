@@ -286,6 +286,11 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
 # --- probing (async I/O) ---------------------------------------------------------------------
 
 
+def worker_auth(api_key: str) -> dict[str, str]:
+    """The header a vLLM server started with --api-key wants on its /v1 paths; none without."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 @dataclass(frozen=True)
 class ProbeTarget:
     worker_id: int
@@ -357,7 +362,7 @@ async def probe_one(
         _get(client, f"{target.url}/metrics", timeout),
     ]
     if target.read_models:
-        auth = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else None
+        auth = worker_auth(target.api_key)
         requests.append(_get(client, f"{target.url}/v1/models", timeout, auth))
     if target.dcgm_url:
         requests.append(_get(client, target.dcgm_url, timeout))

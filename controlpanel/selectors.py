@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from controlpanel import gpu_health, health, keys, services
 from controlpanel.models import RoutingGeneration, ServedModel, Worker, WorkerSource
+from controlpanel.probes import worker_auth
 from controlpanel.rollouts import aliases_as_routes
 from routing.snapshot import (
     GpuView,
@@ -51,7 +52,7 @@ def worker_view(worker: Worker, *, now: datetime) -> WorkerView:
         metrics_age=(now - worker.last_probe_at).total_seconds() if worker.last_probe_at else None,
         metrics=MappingProxyType(dict(metrics)),
         gpus=_gpu_views(worker, now=now),
-        upstream_authorization=f"Bearer {worker.api_key}" if worker.api_key else None,
+        upstream_authorization=worker_auth(worker.api_key).get("Authorization"),
     )
 
 

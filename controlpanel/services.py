@@ -18,7 +18,7 @@ from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.utils import timezone
 
-from controlpanel import gpu, gpu_health
+from controlpanel import gpu, gpu_health, probes
 from controlpanel.models import (
     Event,
     EventKind,
@@ -83,10 +83,11 @@ class InvalidWeight(ServiceError):
 def discover_models(*, url: str, api_key: str = "") -> list[dict[str, Any]]:
     """Ask a server's /v1/models what it serves, refusing anything that is not vLLM-like."""
     endpoint = f"{url}/v1/models"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(
-            endpoint, headers=headers, timeout=settings.CONTROLPANEL_DISCOVERY_TIMEOUT
+            endpoint,
+            headers=probes.worker_auth(api_key),
+            timeout=settings.CONTROLPANEL_DISCOVERY_TIMEOUT,
         )
     except httpx.HTTPError as exc:
         raise WorkerUnreachable(f"cannot reach {endpoint}: {exc}") from exc
@@ -553,6 +554,7 @@ def worker_update(
     if weight is not None and weight < 0:
         raise InvalidWeight("weight cannot be negative")
     exporter = None if dcgm_url is None else _dcgm_url(dcgm_url)
+    key = None if api_key is None else _api_key(api_key)
     with transaction.atomic():
         worker = Worker.objects.select_for_update().get(pk=worker_id)
         if name:
@@ -562,8 +564,8 @@ def worker_update(
         fields = ["name", "weight", "updated_at"]
         if exporter is not None and exporter != worker.dcgm_url:
             fields += _dcgm_url_set(worker, exporter)
-        if api_key is not None and _api_key(api_key) != worker.api_key:
-            worker.api_key = _api_key(api_key)
+        if key is not None and key != worker.api_key:
+            worker.api_key = key
             fields.append("api_key")
         if reset_gpu_count:
             worker.gpu_count_max = len(worker.gpus) if worker.gpus_source else None

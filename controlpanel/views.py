@@ -163,8 +163,9 @@ def worker_gpu_source(request: HttpRequest, worker_id: int) -> HttpResponse:
 def worker_api_key(request: HttpRequest, worker_id: int) -> HttpResponse:
     """Set, change or (with `clear`) remove the key the worker's vLLM requires."""
     worker = get_object_or_404(Worker, pk=worker_id)
-    key = "" if request.POST.get("clear") == "1" else request.POST.get("api_key", "").strip()
-    if not key and request.POST.get("clear") != "1":
+    clearing = request.POST.get("clear") == "1"
+    key = "" if clearing else request.POST.get("api_key", "").strip()
+    if not key and not clearing:
         messages.info(request, "No key entered; nothing changed.")
         return redirect("worker", worker_id=worker.pk)
     try:

@@ -119,6 +119,10 @@ _REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 # x-request-id: the router sets its own (routing.access_log), never the worker's echo twice.
 RESPONSE_DROP = HOP_BY_HOP | {b"date", b"server", b"x-request-id"}
 _REQUEST_DROP_REWRITING = _REQUEST_DROP | {b"accept-encoding"}
+# A worker with its own key (vLLM --api-key) gets that key, never the client's header.
+_DROP_FOR_KEYED_WORKER = {
+    d: d | {b"authorization"} for d in (_REQUEST_DROP, _REQUEST_DROP_REWRITING)
+}
 _RESPONSE_DROP_RENAMED = RESPONSE_DROP | {b"content-length"}
 
 # Answers that mean "not now, not here": safe to send to another worker before any byte.
@@ -585,9 +589,10 @@ class RouterApp:
             url += "?" + scope["query_string"].decode("latin-1")
         # An alias's answer is renamed on the way back, which needs it uncompressed.
         drop = _REQUEST_DROP if forward.rewriter is None else _REQUEST_DROP_REWRITING
-        headers = _request_headers(scope["headers"], drop)
-        if worker.upstream_authorization is not None:  # the worker's key, not the client's
-            headers = [h for h in headers if h[0].lower() != "authorization"]
+        if worker.upstream_authorization is None:
+            headers = _request_headers(scope["headers"], drop)
+        else:
+            headers = _request_headers(scope["headers"], _DROP_FOR_KEYED_WORKER[drop])
             headers.append(("Authorization", worker.upstream_authorization))
         try:
             upstream = await session.post(

@@ -118,6 +118,32 @@ def test_added_worker_appears_live_in_a_second_page(
     )
 
 
+def test_operator_adds_a_keyed_worker_and_rotates_its_key(
+    operator: Page, router: RouterServer, simulator: StartSimulator
+) -> None:
+    sim = simulator("guarded", api_key="wk-browser-1")
+    operator.get_by_test_id("add-url").fill(sim.url)
+    operator.get_by_test_id("add-name").fill("gpu-keyed")
+    operator.get_by_test_id("add").click()
+    expect(operator.get_by_test_id("message")).to_contain_text("set the worker's API key")
+    operator.get_by_test_id("add-url").fill(sim.url)
+    operator.get_by_test_id("add-name").fill("gpu-keyed")
+    operator.get_by_test_id("add-api-key").fill("wk-browser-1")
+    operator.get_by_test_id("add").click()
+    expect(operator.get_by_test_id("message")).to_contain_text("serving guarded")
+    worker = Worker.objects.get(name="gpu-keyed")
+    operator.goto(f"{router.url}/workers/{worker.pk}/")
+    expect(operator.get_by_test_id("api-key-state")).to_contain_text("Set:")
+    assert "wk-browser-1" not in operator.content()
+    screenshot(operator, "worker-key.png")
+    operator.get_by_test_id("api-key").fill("wk-browser-2")
+    operator.get_by_test_id("api-key-save").click()
+    expect(operator.get_by_test_id("message")).to_contain_text("API key saved.")
+    assert Worker.objects.get(pk=worker.pk).api_key == "wk-browser-2"
+    operator.get_by_test_id("api-key-clear").click()
+    expect(operator.get_by_test_id("api-key-state")).to_contain_text("None:")
+
+
 def test_adding_something_that_is_not_vllm_says_why(operator: Page, router: RouterServer) -> None:
     operator.get_by_test_id("add-url").fill(f"http://127.0.0.1:{free_port()}")
     operator.get_by_test_id("add").click()

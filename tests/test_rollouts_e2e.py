@@ -265,7 +265,10 @@ def test_a_restart_mid_plan_resumes_where_it_was(
     tmp_path: Path,
 ) -> None:
     router = own_router[0]
-    for sim in (simulator("chat-v1"), simulator("chat-v2")):
+    # 20 ms to the first token, not the fixture's 1 ms: this test restarts the router and
+    # Celery under traffic, and the CPU that costs must not read as a 20x latency regression
+    # of the new version over a one-second step (the latency gate has its own test above).
+    for sim in (simulator("chat-v1", ttft_ms=20), simulator("chat-v2", ttft_ms=20)):
         add_worker(sim)
     create_alias(router, "chat", {"chat-v1": 100})
     celery = start_celery(tmp_path)
@@ -297,7 +300,7 @@ def test_a_restart_mid_plan_resumes_where_it_was(
             done = wait_for_state(router, plan["id"], {"completed", "rolled_back"})
     finally:
         stop_process(celery)
-    assert done["state"] == "completed", done["reason"]
+    assert done["state"] == "completed", (_rollback_reason(plan["id"]), done["history"])
     started = [
         e.data["step"]
         for e in Event.objects.filter(kind=EventKind.ROLLOUT, data__plan=plan["id"]).order_by("id")

@@ -228,6 +228,7 @@ class EventKind(models.TextChoices):
     GPU_CLEARED = "gpu_cleared"
     API_KEY_CREATED = "api_key_created"
     API_KEY_REVOKED = "api_key_revoked"
+    WORKER_KEY_CHANGED = "worker_key_changed"  # set, rotated or removed; never the key
 
 
 class Event(models.Model):

@@ -207,7 +207,7 @@ def worker_add(
         event_record(
             kind=EventKind.WORKER_JOINED,
             worker=worker,
-            message=f"added with models {', '.join(worker.model_ids)}",
+            message=f"added with models {', '.join(worker.model_ids)}{_key_note(worker)}",
             actor=actor,
         )
         RoutingGeneration.bump()
@@ -251,13 +251,14 @@ def worker_register(
             event_record(
                 kind=EventKind.WORKER_JOINED,
                 worker=worker,
-                message=f"registered with models {', '.join(worker.model_ids)}",
+                message=f"registered with models {', '.join(worker.model_ids)}{_key_note(worker)}",
                 actor=actor,
             )
         else:
             if exporter is not None and exporter != worker.dcgm_url:
                 _dcgm_url_set(worker, exporter)
-            if api_key is not None:
+            if api_key is not None and key != worker.api_key:
+                _worker_key_event(worker, key or "", actor)
                 worker.api_key = key or ""  # saved with the rest by _reregister
             _reregister(worker, entries=entries, name=name, now=now, actor=actor)
         served_models_ensure(entries)
@@ -565,6 +566,7 @@ def worker_update(
         if exporter is not None and exporter != worker.dcgm_url:
             fields += _dcgm_url_set(worker, exporter)
         if key is not None and key != worker.api_key:
+            _worker_key_event(worker, key, actor)
             worker.api_key = key
             fields.append("api_key")
         if reset_gpu_count:
@@ -577,6 +579,22 @@ def worker_update(
 
 
 # --- GPU telemetry (controlpanel.gpu, controlpanel.gpu_health) ------------------------------
+
+
+def _key_note(worker: Worker) -> str:
+    return " and an upstream API key" if worker.api_key else ""
+
+
+def _worker_key_event(worker: Worker, new_key: str, actor: str) -> None:
+    """The audit trail says that a worker's upstream key changed, never what it is."""
+    what = "removed" if not new_key else "rotated" if worker.api_key else "set"
+    event_record(
+        kind=EventKind.WORKER_KEY_CHANGED,
+        worker=worker,
+        message=f"upstream API key {what}",
+        actor=actor,
+        data={"change": what},
+    )
 
 
 def _api_key(key: str) -> str:

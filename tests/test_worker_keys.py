@@ -12,7 +12,7 @@ from django.conf import settings
 
 from controlpanel import health
 from controlpanel.agent import Agent
-from controlpanel.models import Worker, WorkerState
+from controlpanel.models import Event, EventKind, Worker, WorkerState
 from tests import keyed
 from tests.conftest import (
     ADMIN_HEADERS,
@@ -138,6 +138,13 @@ def test_operators_set_and_remove_a_workers_key_in_the_dashboard(
     assert Worker.objects.get(pk=worker.pk).api_key == "wk-rotated"
     assert "API key removed." in post(clear="1")
     assert Worker.objects.get(pk=worker.pk).api_key == ""
+    # The audit trail says the key changed (and who changed it), never what it was.
+    trail = Event.objects.filter(worker=worker).order_by("id")
+    assert trail[0].message.endswith("and an upstream API key")
+    changes = [e.message for e in trail if e.kind == EventKind.WORKER_KEY_CHANGED]
+    assert changes == ["upstream API key rotated", "upstream API key removed"]
+    assert not any(k in str(e.data) + e.message for e in trail for k in (WORKER_KEY, "wk-rot"))
+    assert "upstream API key rotated" in session.get(f"/workers/{worker.pk}/").text
 
 
 def test_an_agent_beside_a_keyed_vllm_hands_its_key_over_at_registration(
@@ -160,3 +167,8 @@ def test_an_agent_beside_a_keyed_vllm_hands_its_key_over_at_registration(
     again = router.post("/api/workers/register", json={"url": sim.url}, headers=AGENT_HEADERS)
     assert again.status_code == 200 and WORKER_KEY not in again.text
     assert Worker.objects.get(pk=worker.pk).api_key == WORKER_KEY
+    # A new key at re-registration (vLLM restarted with another --api-key) is recorded.
+    rotated = {"url": sim.url, "models": ["guarded"], "api_key": "wk-next"}
+    assert router.post("/api/workers/register", json=rotated, headers=AGENT_HEADERS).is_success
+    changes = Event.objects.filter(worker=worker, kind=EventKind.WORKER_KEY_CHANGED)
+    assert [(e.message, e.actor) for e in changes] == [("upstream API key rotated", "agent")]

@@ -15,6 +15,7 @@ class WorkerAdmin(admin.ModelAdmin[Worker]):
         "models", "last_heartbeat", "queue_length", "created_at", "updated_at",
         "gpus", "gpus_source", "gpus_at", "gpu_warnings",
     )  # fmt: skip
+    exclude = ("api_key",)  # set on the worker page or through the API; never shown back
     actions = ("drain", "activate")
 
     @admin.action(description="Drain the selected workers")

@@ -11,6 +11,8 @@ from django.db import models, transaction
 from django.db.models import F, JSONField
 from django.utils import timezone
 
+from controlpanel.sealed import SealedCharField
+
 
 def normalize_worker_url(url: str) -> str:
     """One spelling per server, so `HTTP://Host:8000/v1/` and `http://host:8000` are the
@@ -68,8 +70,9 @@ class Worker(models.Model):
     # empty list with no source means nothing reports, which the dashboard calls "unknown".
     dcgm_url = models.CharField(max_length=512, blank=True)
     # The key the vLLM server was started with (--api-key / VLLM_API_KEY): the router, the
-    # probes and LoRA calls send it as Authorization: Bearer. Never shown after it is set.
-    api_key = models.CharField(max_length=512, blank=True)
+    # probes and LoRA calls send it as Authorization: Bearer. Never shown after it is set,
+    # and sealed in the database (controlpanel.sealed).
+    api_key = SealedCharField(blank=True)
     gpus = JSONField(default=list, blank=True)
     gpus_source = models.CharField(max_length=8, blank=True)  # "nvml", "dcgm" or ""
     gpus_at = models.DateTimeField(null=True, blank=True)

@@ -36,6 +36,9 @@ def _secret_key() -> str:
 
 
 SECRET_KEY = _secret_key()
+# Earlier secrets, comma-separated, while a rotation settles: old sessions and sealed worker
+# keys (controlpanel.sealed) still open under them.
+SECRET_KEY_FALLBACKS = [k for k in env_str("DJANGO_SECRET_KEY_FALLBACKS").split(",") if k]
 DEBUG = env_bool("DJANGO_DEBUG", False)
 ALLOWED_HOSTS = [h.strip() for h in env_str("CONTROLPANEL_ALLOWED_HOSTS", "*").split(",") if h]
 CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("CONTROLPANEL_CSRF_ORIGINS").split(",") if o]

@@ -6,6 +6,7 @@ every process of a test run agrees on tokens, expiry and the test database.
 
 import os
 
+os.environ.setdefault("DJANGO_SECRET_KEY", "test-secret-key-" + "0123456789" * 5)
 os.environ.setdefault("CONTROLPANEL_ADMIN_TOKEN", "test-admin-token-0123456789")
 os.environ.setdefault("CONTROLPANEL_WORKER_TOKEN", "test-worker-token-0123456789")
 os.environ.setdefault("CONTROLPANEL_HEARTBEAT_EXPIRY", "3")

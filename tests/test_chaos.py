@@ -70,10 +70,18 @@ def one_stream(url: str) -> Stream:
     return record
 
 
+def _fd_target(fd: Path) -> str:
+    """What an fd points at, or "" when the router closed it after the listing."""
+    try:
+        return os.readlink(fd)
+    except FileNotFoundError:
+        return ""
+
+
 def socket_fds(pid: int) -> set[str]:
     """The inodes of the process's open sockets (Linux /proc)."""
     fd_dir = Path(f"/proc/{pid}/fd")
-    links = (os.readlink(fd_dir / fd) for fd in os.listdir(fd_dir))
+    links = (link for fd in os.listdir(fd_dir) if (link := _fd_target(fd_dir / fd)))
     return {link[8:-1] for link in links if link.startswith("socket:[")}
 
 

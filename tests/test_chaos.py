@@ -8,17 +8,16 @@ beyond idle keep-alive ones."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 
+from bench.load import socket_inodes, tcp_table
 from controlpanel import services
 from tests.conftest import ROOT, RouterServer, free_port, stop_process, wait_until
 
@@ -70,33 +69,20 @@ def one_stream(url: str) -> Stream:
     return record
 
 
-def _fd_target(fd: Path) -> str:
-    """What an fd points at, or "" when the router closed it after the listing."""
-    try:
-        return os.readlink(fd)
-    except FileNotFoundError:
-        return ""
-
-
-def socket_fds(pid: int) -> set[str]:
-    """The inodes of the process's open sockets (Linux /proc)."""
-    fd_dir = Path(f"/proc/{pid}/fd")
-    links = (link for fd in os.listdir(fd_dir) if (link := _fd_target(fd_dir / fd)))
-    return {link[8:-1] for link in links if link.startswith("socket:[")}
+def socket_count(pid: int) -> int:
+    return len(socket_inodes(pid)[1])
 
 
 def close_wait(pid: int, ports: list[int]) -> list[int]:
     """The remote ports, among `ports`, of the process's TCP sockets that the peer has
     closed and the process has not: a connection leaked after its worker died would sit in
     CLOSE_WAIT."""
-    mine = socket_fds(pid)
+    table = tcp_table(pid)
     found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            remote_port = int(fields[2].rsplit(":", 1)[1], 16)
-            if fields[3] == "08" and fields[9] in mine and remote_port in ports:  # CLOSE_WAIT
-                found.append(remote_port)
+    for inode in socket_inodes(pid)[1]:
+        _, remote_port, state = table.get(inode, (0, 0, ""))
+        if state == "close_wait" and remote_port in ports:
+            found.append(remote_port)
     return found
 
 
@@ -120,7 +106,7 @@ def test_killing_a_worker_under_load(
             for i, p in enumerate(ports)
         ]
         router.wait_routable(*workers)
-        sockets_before = len(socket_fds(router.proc.pid))
+        sockets_before = socket_count(router.proc.pid)
         streams: list[Stream] = []
         stop = threading.Event()
 
@@ -155,7 +141,7 @@ def test_killing_a_worker_under_load(
         # workers (at most one per client thread each).
         wait_until(lambda: router.get("/health").json()["inflight"] == 0)
         assert close_wait(router.proc.pid, ports) == []
-        grown = len(socket_fds(router.proc.pid)) - sockets_before
+        grown = socket_count(router.proc.pid) - sockets_before
         assert grown <= len(threads) * len(ports), grown
     finally:
         for sim in sims:

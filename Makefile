@@ -5,8 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 CHROMIUM := /usr/bin/chromium
+PROMETHEUS := /usr/bin/prometheus
 
-.PHONY: install browser run test lint format types migrations-check check bench clean
+.PHONY: install browser prometheus postgres-server run test lint format types imports migrations-check check bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +26,32 @@ $(CHROMIUM):
 		echo "Chromium is missing: run 'sudo apt-get install chromium' once" >&2; exit 1; \
 	fi
 
+# The dashboard and rules tests start Debian's Prometheus (promtool comes with it).
+prometheus: $(PROMETHEUS)
+$(PROMETHEUS):
+	@if [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; \
+	else \
+		echo "Prometheus is missing: run 'sudo apt-get install prometheus' once" >&2; exit 1; \
+	fi
+
+# The database-outage tests start a PostgreSQL server of their own (Debian's binaries).
+postgres-server:
+	@if ls -d /usr/lib/postgresql/*/bin >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; \
+	else \
+		echo "PostgreSQL's server is missing: run 'sudo apt-get install postgresql' once" >&2; exit 1; \
+	fi
+
 run: install
 	$(PY) manage.py serve --demo 3
 
-test: install browser
-	$(PY) -m pytest
+# Two sessions at once, a test file each at a time (tests/settings gives each its own Redis
+# database); TEST_WORKERS=0 runs one session.
+TEST_WORKERS ?= 2
+test: install browser prometheus postgres-server
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -40,12 +62,16 @@ format: install
 	$(VENV)/bin/ruff format .
 
 types: install
-	$(VENV)/bin/mypy controlpanel routing
+	$(VENV)/bin/mypy controlpanel routing simulator launcher
+
+# The house's boundaries: the contracts in pyproject.toml ([tool.importlinter]).
+imports: install
+	$(VENV)/bin/lint-imports
 
 migrations-check: install
 	$(PY) manage.py makemigrations --check --dry-run
 
-check: lint types migrations-check test
+check: lint types imports migrations-check test
 
 bench: install
 	$(PY) bench/overhead.py

@@ -44,19 +44,15 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
-from typing import Any
+from collections.abc import Iterator
 
 import aiohttp
 import orjson
 
+from routing.asgi_types import Receive, Scope, Send
+
 # The router's own list, so the floor relays exactly the headers the router relays.
 from routing.proxy import RESPONSE_DROP
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 ANY_MODEL = ""
 PIN = "/upstream/"  # /upstream/<i>/...: to upstream i (bench/routing_policies.py)

@@ -42,24 +42,22 @@ clients for 10 s); ``--ttft-ms``, ``--itl-ms`` and ``--max-tokens`` change the s
 Prints a markdown report and writes the figures to ``bench/out/load-<timestamp>.json``. Exit
 status 1 if any request failed or the in-flight counter does not return to 0.
 All traffic stays on 127.0.0.1; all subprocesses are stopped on exit, error or Ctrl-C.
+
+This script is the load generator and the run; the fleet, the open-file limits and the router's
+sockets are in ``bench/load_fleet.py``, the report and its checks in ``bench/load_report.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import contextlib
-import json
 import os
-import resource
-import signal
 import statistics
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -67,22 +65,36 @@ from typing import Any
 import aiohttp
 import orjson
 
-try:  # run as `python -m bench.load` from the repository root
-    from bench import overhead as oh
-except ImportError:  # run as `python bench/load.py` (bench/ is on sys.path)
-    import overhead as oh  # type: ignore[no-redef,import-not-found]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for `python bench/load.py`
+from bench.harness import (
+    CONTENT_RE,
+    DONE,
+    JSON_HEADERS,
+    PYTHON,
+    ROOT,
+    Fleet,
+    cpu_times,
+    log,
+    machine_info,
+    machine_ticks,
+    percentile,
+    run_with_fleet,
+    status_kib,
+    write_json,
+)
+from bench.load_fleet import (
+    MODEL,
+    N_WORKERS,
+    Run,
+    proc_nofile,
+    raise_nofile,
+    router_inflight,
+    router_sockets,
+    start_fleet,
+    wait_for_idle_pool,
+)
+from bench.load_report import passed, report
 
-HOST = oh.HOST
-ROOT = oh.ROOT
-OUT_DIR = oh.OUT_DIR
-PYTHON = oh.PYTHON
-CLK_TCK = oh.CLK_TCK
-DONE = oh.DONE
-CONTENT_RE = oh.CONTENT_RE
-log = oh.log
-
-MODEL = "bench-load"
-N_WORKERS = 4
 TTFT_MS = 20.0
 ITL_MS = 5.0
 MAX_TOKENS = 64
@@ -91,108 +103,7 @@ CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=180, sock_connect=30, sock_read=30)
 ERROR_PAUSE_S = 0.1  # a client that failed waits this long, so a refusing router is no spin
 MONITOR_EVERY_S = 5.0
 LAG_EVERY_S = 0.1
-UVICORN_BACKLOG = 2048  # uvicorn's default; raised to --clients when that is larger
 FD_MARGIN = 1024
-TCP_STATES = {
-    "01": "established",
-    "02": "syn_sent",
-    "03": "syn_recv",
-    "04": "fin_wait1",
-    "05": "fin_wait2",
-    "06": "time_wait",
-    "07": "close",
-    "08": "close_wait",
-    "09": "last_ack",
-    "0A": "listen",
-    "0B": "closing",
-}
-
-
-# --------------------------------------------------------------------------- limits
-
-
-def raise_nofile(needed: int) -> dict[str, int]:
-    """Raise this process's soft RLIMIT_NOFILE towards `needed` (children inherit it)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = soft if soft >= needed else needed
-    if hard != resource.RLIM_INFINITY:
-        target = min(target, hard)
-    if target > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    if target < needed:
-        log(f"WARNING: open-file limit {target} (hard {hard}) is below the {needed} needed")
-    return {"soft_before": soft, "soft": target, "hard": hard, "needed": needed}
-
-
-def proc_nofile(pid: int) -> int | None:
-    """The soft "Max open files" of another process, from /proc/<pid>/limits."""
-    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
-        if line.startswith("Max open files"):
-            value = line.split()[3]
-            return None if value == "unlimited" else int(value)
-    return None
-
-
-# --------------------------------------------------------------------------- /proc sockets
-
-
-def tcp_table(pid: int) -> dict[int, tuple[int, int, str]]:
-    """inode -> (local port, remote port, state) for every TCP socket in pid's namespace."""
-    table: dict[int, tuple[int, int, str]] = {}
-    for name in ("tcp", "tcp6"):
-        path = Path(f"/proc/{pid}/net/{name}")
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines()[1:]:
-            cols = line.split()
-            local, remote, state, inode = cols[1], cols[2], cols[3], int(cols[9])
-            port = int(local.rsplit(":", 1)[1], 16)
-            remote_port = int(remote.rsplit(":", 1)[1], 16)
-            table[inode] = (port, remote_port, TCP_STATES.get(state, state))
-    return table
-
-
-def socket_inodes(pid: int) -> tuple[int, list[int]]:
-    """(open fds, inodes of the fds that are sockets) of a process."""
-    fd_dir = Path(f"/proc/{pid}/fd")
-    fds = os.listdir(fd_dir)
-    inodes = []
-    for fd in fds:
-        with contextlib.suppress(FileNotFoundError):  # closed while we looked
-            target = os.readlink(fd_dir / fd)
-            if target.startswith("socket:["):
-                inodes.append(int(target[8:-1]))
-    return len(fds), inodes
-
-
-def router_sockets(pid: int, router_port: int, worker_ports: set[int]) -> dict[str, int]:
-    """The router's fds and sockets, its TCP connections by state and by peer."""
-    fds, inodes = socket_inodes(pid)
-    table = tcp_table(pid)
-    counts: Counter[str] = Counter()
-    for inode in inodes:
-        entry = table.get(inode)
-        if entry is None:
-            counts["non_tcp"] += 1  # unix sockets, socketpairs (the event loop's self-pipe)
-            continue
-        local, remote, state = entry
-        counts[f"tcp_{state}"] += 1
-        if state == "established":
-            if local == router_port:
-                counts["established_from_clients"] += 1
-            elif remote in worker_ports:
-                counts["established_to_workers"] += 1
-            else:
-                counts["established_other"] += 1
-    return {
-        "fds": fds,
-        "sockets": len(inodes),
-        "tcp_established": counts["tcp_established"],
-        "established_from_clients": counts["established_from_clients"],
-        "established_to_workers": counts["established_to_workers"],
-        "established_other": counts["established_other"],
-        **{k: v for k, v in sorted(counts.items()) if k.startswith("tcp_") or k == "non_tcp"},
-    }
 
 
 # --------------------------------------------------------------------------- load generator
@@ -224,7 +135,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes, tall
     t0 = time.perf_counter()
     first = 0.0
     tail = b""
-    async with session.post(url, data=body, headers=oh.JSON_HEADERS) as resp:
+    async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
         if resp.status != 200:
             await resp.read()
             tally.errors[f"HTTP {resp.status}"] += 1
@@ -263,17 +174,6 @@ async def loop_lag(lags: list[float], stop: asyncio.Event) -> None:
         lags.append(loop.time() - t - LAG_EVERY_S)
 
 
-@dataclass
-class Run:
-    """Where the fleet listens and who it is."""
-
-    router: str
-    router_pid: int
-    router_port: int
-    worker_ports: set[int]
-    worker_pids: list[int]
-
-
 async def monitor(
     run: Run, tally: Tally, t0: float, stop: asyncio.Event, timeline: list[dict[str, Any]]
 ) -> None:
@@ -285,8 +185,8 @@ async def monitor(
             "t_s": round(time.monotonic() - t0, 1),
             "completed": tally.completed,
             "errors": tally.error_count,
-            "router_rss_mib": round(oh.status_kib(run.router_pid, "VmRSS") / 1024, 1),
-            "router_cpu_s": round(sum(oh.cpu_times(run.router_pid)), 2),
+            "router_rss_mib": round(status_kib(run.router_pid, "VmRSS") / 1024, 1),
+            "router_cpu_s": round(sum(cpu_times(run.router_pid)), 2),
             "loadavg_1m": os.getloadavg()[0],
         }
         timeline.append(point)
@@ -307,10 +207,10 @@ class CpuMark:
 
     @classmethod
     def take(cls, run: Run) -> CpuMark:
-        busy, total = oh.machine_ticks()
+        busy, total = machine_ticks()
         return cls(
-            router=sum(oh.cpu_times(run.router_pid)),
-            workers=sum(sum(oh.cpu_times(pid)) for pid in run.worker_pids),
+            router=sum(cpu_times(run.router_pid)),
+            workers=sum(sum(cpu_times(pid)) for pid in run.worker_pids),
             client=time.process_time(),
             busy=busy,
             total=total,
@@ -364,105 +264,27 @@ async def generate_load(run: Run, args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": load_wall,
         "streams_per_s": tally.completed / load_wall,
         "nominal_streams_per_s": clients / one_stream_s,
-        "ttft_p50_ms": oh.percentile(ttft_ms, 50),
-        "ttft_p99_ms": oh.percentile(ttft_ms, 99),
+        "ttft_p50_ms": percentile(ttft_ms, 50),
+        "ttft_p99_ms": percentile(ttft_ms, 99),
         "ttft_max_ms": max(ttft_ms, default=float("nan")),
         "ttft_mean_ms": statistics.fmean(ttft_ms) if ttft_ms else float("nan"),
-        "client_loop_lag_p50_ms": oh.percentile(lag_ms, 50),
-        "client_loop_lag_p99_ms": oh.percentile(lag_ms, 99),
+        "client_loop_lag_p50_ms": percentile(lag_ms, 50),
+        "client_loop_lag_p99_ms": percentile(lag_ms, 99),
         "cpu": cpu_usage(before, after, load_wall),
         "timeline": timeline,
     }
 
 
-# --------------------------------------------------------------------------- fleet
+# --------------------------------------------------------------------------- the benchmark
 
 
-def start_workers(
-    fleet: oh.Fleet, ports: list[int], max_batch: int, ttft_ms: float, itl_ms: float
-) -> None:
-    for i, port in enumerate(ports):
-        fleet.spawn(
-            f"worker{i}",
-            [
-                PYTHON, "manage.py", "simulate_vllm", "--host", HOST, "--port", str(port),
-                "--model", MODEL, "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms),
-                "--prefill-ms-per-block", "0", "--max-batch", str(max_batch),
-            ],
-        )  # fmt: skip
-
-
-def max_batch(clients: int) -> int:
-    """Room for every client on one worker, so the simulators never queue."""
-    return max(512, clients)
-
-
-def start_router(fleet: oh.Fleet, port: int, backlog: int) -> int:
-    """The router with bench/overhead.py's flags (uvicorn's default backlog unless raised)."""
-    fleet.run([PYTHON, "manage.py", "migrate", "--noinput"])
-    proc = fleet.spawn(
-        "router",
-        [
-            PYTHON, "-m", "uvicorn", "controlpanel.asgi:application", "--host", HOST,
-            "--port", str(port), "--lifespan", "on", "--no-access-log",
-            "--backlog", str(backlog),
-        ],
-    )  # fmt: skip
-    return proc.pid
-
-
-async def start_fleet(fleet: oh.Fleet, args: argparse.Namespace) -> Run:
-    clients = args.clients
-    ports = oh.free_ports(N_WORKERS + 1)
-    router_port, worker_ports = ports[0], ports[1:]
-    start_workers(fleet, worker_ports, max_batch(clients), args.ttft_ms, args.itl_ms)
-    router_pid = start_router(fleet, router_port, backlog=max(UVICORN_BACKLOG, clients))
-    router = f"http://{HOST}:{router_port}"
-    urls = [f"http://{HOST}:{p}" for p in worker_ports]
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        for url in [*urls, router]:
-            check = partial(oh.http_ok, session, url + "/health")
-            await oh.wait_until(f"{url}/health", check, fleet)
-        await oh.register_workers(session, fleet, router, urls)
-    return Run(
-        router=router,
-        router_pid=router_pid,
-        router_port=router_port,
-        worker_ports=set(worker_ports),
-        worker_pids=[p.pid for name, p in fleet.procs if name != "router"],
-    )
-
-
-async def router_inflight(run: Run) -> int:
-    async with (
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session,
-        session.get(run.router + "/list_workers") as resp,
-    ):
-        workers = orjson.loads(await resp.read())["workers"]
-    return sum(int(w["inflight"]) for w in workers)
-
-
-async def wait_for_idle_pool(run: Run, idle_wait: float) -> tuple[dict[str, int], float | None]:
-    """Poll the router's sockets each second until no TCP connection to a client or a worker is
-    left, for at most idle_wait seconds; returns the last reading and when it emptied."""
-    t0 = time.monotonic()
-    while True:
-        sockets = router_sockets(run.router_pid, run.router_port, run.worker_ports)
-        elapsed = time.monotonic() - t0
-        if sockets["established_to_workers"] + sockets["established_from_clients"] == 0:
-            return sockets, elapsed
-        if elapsed >= idle_wait:
-            return sockets, None
-        await asyncio.sleep(1.0)
-
-
-async def benchmark(args: argparse.Namespace, fleet: oh.Fleet) -> dict[str, Any]:
+async def benchmark(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
     log(f"starting {N_WORKERS} simulated workers and the router ...")
     run = await start_fleet(fleet, args)
     router_nofile = proc_nofile(run.router_pid)
     if router_nofile is not None and router_nofile < 2 * args.clients + FD_MARGIN:
         log(f"WARNING: the router may open only {router_nofile} files")
-    rss_start = oh.status_kib(run.router_pid, "VmRSS")
+    rss_start = status_kib(run.router_pid, "VmRSS")
     sockets_before = router_sockets(run.router_pid, run.router_port, run.worker_ports)
     loadavg_start = os.getloadavg()
     log(f"{args.clients} clients for {args.seconds:g} s (load average {loadavg_start[0]:.2f}) ...")
@@ -472,14 +294,14 @@ async def benchmark(args: argparse.Namespace, fleet: oh.Fleet) -> dict[str, Any]
     log(f"clients done; settling {args.settle:g} s ...")
     await asyncio.sleep(args.settle)
     after = {
-        "rss_mib": oh.status_kib(run.router_pid, "VmRSS") / 1024,
-        "hwm_mib": oh.status_kib(run.router_pid, "VmHWM") / 1024,
+        "rss_mib": status_kib(run.router_pid, "VmRSS") / 1024,
+        "hwm_mib": status_kib(run.router_pid, "VmHWM") / 1024,
         "sockets": router_sockets(run.router_pid, run.router_port, run.worker_ports),
         "inflight": await router_inflight(run),
     }
     log(f"after the settle: {after['sockets']}; waiting up to {args.idle_wait:g} s for the pool")
     idle_sockets, emptied_after = await wait_for_idle_pool(run, args.idle_wait)
-    rss_idle = oh.status_kib(run.router_pid, "VmRSS") / 1024
+    rss_idle = status_kib(run.router_pid, "VmRSS") / 1024
     errors_log = fleet.log_tail("router") if load["errors"] else ""
     return {
         "load": load,
@@ -499,99 +321,6 @@ async def benchmark(args: argparse.Namespace, fleet: oh.Fleet) -> dict[str, Any]
         "loadavg_start": loadavg_start,
         "loadavg_end": loadavg_end,
     }
-
-
-# --------------------------------------------------------------------------- report
-
-
-def fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def sockets_line(label: str, s: dict[str, int]) -> str:
-    other = {k: v for k, v in s.items() if k.startswith("tcp_") and k != "tcp_established"}
-    extra = ", ".join(f"{k.removeprefix('tcp_')} {v}" for k, v in other.items())
-    return (
-        f"| {label} | {s['fds']} | {s['sockets']} | {s['tcp_established']} "
-        f"| {s['established_from_clients']} | {s['established_to_workers']} "
-        f"| {s['established_other']} | {s.get('non_tcp', 0)} | {extra or '-'} |"
-    )
-
-
-def passed(result: dict[str, Any]) -> dict[str, bool]:
-    r = result["router"]
-    return {
-        "no errors": result["load"]["errors"] == 0,
-        "in-flight back to 0": r["inflight_after"] == 0,
-        "no client connection left": r["sockets_after"]["established_from_clients"] == 0,
-        "upstream pool empties when idle": r["pool_emptied_after_s"] is not None,
-    }
-
-
-def report(result: dict[str, Any]) -> str:
-    m, cfg, load, r = result["machine"], result["config"], result["load"], result["router"]
-    cpu = load["cpu"]
-    la0, la1 = result["loadavg_before"], result["loadavg_end"]
-    lines = [
-        f"## Load — {m['date']}",
-        "",
-        f"Machine: {m['nproc']} cores, {m['cpu_model']}, Python {m['python']}, aiohttp "
-        f"{m['aiohttp']}, kernel {m['kernel']}. Load average before "
-        f"{la0[0]:.2f} / {la0[1]:.2f} / {la0[2]:.2f}, after the run "
-        f"{la1[0]:.2f} / {la1[1]:.2f} / {la1[2]:.2f}.",
-        f"{cfg['clients']} streaming clients for {cfg['seconds']:g} s through the router to "
-        f"{N_WORKERS} simulated workers (ttft {cfg['ttft_ms']:g} ms, itl {cfg['itl_ms']:g} ms, "
-        f"{cfg['max_tokens']} tokens, max batch {max_batch(cfg['clients'])}); open-file limit "
-        f"{cfg['nofile']['soft']} (router {r['nofile_limit']}).",
-        "",
-        "| figure | value |",
-        "|---|--:|",
-        f"| streams completed | {load['completed']} |",
-        f"| errors | {load['errors']} |",
-        f"| streams/s (nominal without CPU limits) | {load['streams_per_s']:.0f} "
-        f"({load['nominal_streams_per_s']:.0f}) |",
-        f"| TTFT p50 / p99 / max ms | {fmt(load['ttft_p50_ms'])} / {fmt(load['ttft_p99_ms'])} "
-        f"/ {fmt(load['ttft_max_ms'])} |",
-        f"| router RSS start / end / peak (VmHWM) MiB | {r['rss_start_mib']:.1f} / "
-        f"{r['rss_end_mib']:.1f} / {r['hwm_mib']:.1f} |",
-        f"| router RSS once the upstream pool is idle MiB | {r['rss_idle_mib']:.1f} |",
-        f"| router in-flight afterwards | {r['inflight_after']} |",
-        f"| CPU cores used: router / workers / load generator | {cpu['router_cores']:.2f} / "
-        f"{cpu['workers_cores']:.2f} / {cpu['client_cores']:.2f} |",
-        f"| machine busy % (cores used by other processes) | {cpu['machine_busy_pct']:.0f} "
-        f"({cpu['other_cores']:.2f}) |",
-        f"| load generator loop lag p50 / p99 ms | {fmt(load['client_loop_lag_p50_ms'])} / "
-        f"{fmt(load['client_loop_lag_p99_ms'])} |",
-        "",
-        "Router sockets (`/proc/<pid>/fd`, TCP by inode in `/proc/<pid>/net/tcp{,6}`):",
-        "",
-        "| when | fds | sockets | TCP established | from clients | to workers | other "
-        "| non-TCP | other TCP states |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|---|",
-        sockets_line("before the run", r["sockets_before"]),
-        sockets_line(f"{cfg['settle']:g} s after the clients finished", r["sockets_after"]),
-    ]
-    emptied = r["pool_emptied_after_s"]
-    idle_label = (
-        f"{emptied:.0f} s later, pool empty"
-        if emptied is not None
-        else f"{cfg['idle_wait']:g} s later, pool NOT empty"
-    )
-    lines += [sockets_line(idle_label, r["sockets_after_idle"]), ""]
-    lines += ["| check | result |", "|---|:-:|"]
-    lines += [f"| {name} | {'PASS' if ok else 'FAIL'} |" for name, ok in passed(result).items()]
-    if load["errors_by_cause"]:
-        lines += ["", "Errors by cause:", ""]
-        lines += [f"* {n} x {cause}" for cause, n in load["errors_by_cause"].items()]
-    return "\n".join(lines)
-
-
-def write_json(result: dict[str, Any]) -> Path:
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    path = OUT_DIR / f"load-{stamp}.json"
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    return path
 
 
 # --------------------------------------------------------------------------- entry point
@@ -633,19 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     # The router holds a client and an upstream connection per stream; this script one each.
     nofile = raise_nofile(2 * args.clients + FD_MARGIN)
     loadavg_before = os.getloadavg()
-    fleet = oh.Fleet()
-    atexit.register(fleet.stop)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
-    try:
-        result = oh.run_async(benchmark(args, fleet))
-    except KeyboardInterrupt:
-        log("interrupted; stopping subprocesses")
+    measured = run_with_fleet(partial(benchmark, args))
+    if measured is None:
         return 130
-    finally:
-        fleet.stop()
     result = {
-        "machine": {**oh.machine_info(), "somaxconn": _read_int("/proc/sys/net/core/somaxconn")},
+        "machine": {**machine_info(), "somaxconn": _read_int("/proc/sys/net/core/somaxconn")},
         "config": {
             "clients": args.clients,
             "seconds": args.seconds,
@@ -661,10 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         },
         "duration_s": round(time.monotonic() - started, 1),
         "loadavg_before": loadavg_before,
-        **result,
+        **measured,
     }
     print(report(result))
-    path = write_json(result)
+    path = write_json("load", result)
     log(f"\nwrote {path.relative_to(ROOT)} ({result['duration_s']} s)")
     if result["router"]["log_tail"]:
         log(f"router log tail:\n{result['router']['log_tail']}")

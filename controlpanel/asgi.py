@@ -18,10 +18,11 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from django.conf import settings  # noqa: E402
 from django.urls import path  # noqa: E402
 
-from controlpanel.consumers import FleetConsumer  # noqa: E402
-from controlpanel.live import publisher  # noqa: E402
-from controlpanel.selectors import DatabaseSnapshotSource  # noqa: E402
-from routing.proxy import Receive, RouterApp, RouterConfig, Scope, Send, routes_here  # noqa: E402
+from controlpanel.console.consumers import FleetConsumer  # noqa: E402
+from controlpanel.console.live import publisher  # noqa: E402
+from controlpanel.routers.snapshot import DatabaseSnapshotSource  # noqa: E402
+from routing.asgi_types import Receive, Scope, Send  # noqa: E402
+from routing.proxy import RouterApp, RouterConfig, routes_here  # noqa: E402
 from routing.refresher import SnapshotRefresher  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ def router_config() -> RouterConfig:
         queue_timeout=settings.ROUTER_QUEUE_TIMEOUT,
         queue_max=settings.ROUTER_QUEUE_MAX,
         redis_url=settings.REDIS_URL,
+        load_report_max_age=settings.ROUTER_LOAD_REPORT_MAX_AGE,
+        kv_index_max_blocks=settings.ROUTER_KV_INDEX_MAX_BLOCKS,
     )
 
 

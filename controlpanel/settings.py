@@ -11,6 +11,7 @@ from pathlib import Path
 
 import dj_database_url
 import django_stubs_ext
+from django.core.exceptions import ImproperlyConfigured
 
 from controlpanel.envconf import env_bool, env_float, env_int, env_str, env_token, env_url
 
@@ -37,7 +38,7 @@ def _secret_key() -> str:
 
 SECRET_KEY = _secret_key()
 # Earlier secrets, comma-separated, while a rotation settles: old sessions and sealed worker
-# keys (controlpanel.sealed) still open under them.
+# keys (controlpanel.registry.sealed) still open under them.
 SECRET_KEY_FALLBACKS = [k for k in env_str("DJANGO_SECRET_KEY_FALLBACKS").split(",") if k]
 DEBUG = env_bool("DJANGO_DEBUG", False)
 ALLOWED_HOSTS = [h.strip() for h in env_str("CONTROLPANEL_ALLOWED_HOSTS", "*").split(",") if h]
@@ -62,7 +63,15 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
-    "controlpanel",
+    # Swagger UI's own assets (ninja/static), served from here: /api/docs works offline.
+    "ninja",
+    # Bottom to top: each app imports only those above it in this list (import-linter).
+    "controlpanel.registry",
+    "controlpanel.fleet",
+    "controlpanel.keys",
+    "controlpanel.rollouts",
+    "controlpanel.routers",
+    "controlpanel.console",
 ]
 
 MIDDLEWARE = [
@@ -117,8 +126,12 @@ else:
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
         "min_size": 1,
         "max_size": env_int("CONTROLPANEL_DB_POOL_SIZE", 10, minimum=2),
-        "timeout": 5,  # for a connection: an admin call fails (503) rather than hang
+        # How long a request waits for a connection: with PostgreSQL down, every admin call
+        # and page answers 503 within about this, rather than hang.
+        "timeout": env_float("CONTROLPANEL_DB_POOL_TIMEOUT", 1.0, minimum=0.1),
     }
+    # An unreachable host (no refusal, just silence) must not hold the pool's reconnects.
+    DATABASES["default"]["OPTIONS"]["connect_timeout"] = 2
 DATABASES["default"]["TEST"] = {"NAME": env_str("CONTROLPANEL_TEST_DB_NAME") or None}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -191,8 +204,15 @@ CONTROLPANEL_HEARTBEAT_INTERVAL = max(1, CONTROLPANEL_HEARTBEAT_EXPIRY // 3)
 CONTROLPANEL_DISCOVERY_TIMEOUT = env_float("CONTROLPANEL_DISCOVERY_TIMEOUT", 5.0, minimum=0.1)
 # Client API keys on the router (routing.auth): off by default, so a first run just works.
 CONTROLPANEL_REQUIRE_API_KEY = env_bool("CONTROLPANEL_REQUIRE_API_KEY", False)
-# One JSON line per router request on the `routing.access` logger (routing.access_log).
+# One JSON line per router request on the `routing.access` logger (routing.access_log): on
+# stderr, or appended to ACCESS_LOG_FILE (reopened when logrotate moves it); SAMPLE keeps
+# that share of the successful requests' lines (every failure's line is kept).
+# `serve --demo` writes it to var/access.log, so the console shows what happens.
 CONTROLPANEL_ACCESS_LOG = env_bool("CONTROLPANEL_ACCESS_LOG", True)
+CONTROLPANEL_ACCESS_LOG_FILE = env_str("CONTROLPANEL_ACCESS_LOG_FILE", "")
+CONTROLPANEL_ACCESS_LOG_SAMPLE = env_float("CONTROLPANEL_ACCESS_LOG_SAMPLE", 1.0, minimum=0.0)
+if CONTROLPANEL_ACCESS_LOG_SAMPLE > 1:
+    raise ImproperlyConfigured("CONTROLPANEL_ACCESS_LOG_SAMPLE is a share, from 0 to 1")
 
 # --- The router (data plane) ---------------------------------------------------------
 ROUTER_CONNECT_TIMEOUT = env_float("CONTROLPANEL_UPSTREAM_CONNECT_TIMEOUT", 5.0, minimum=0.1)
@@ -218,26 +238,52 @@ ROUTER_EJECT_COOLDOWN = env_float("CONTROLPANEL_EJECT_COOLDOWN", 5.0, minimum=0.
 ROUTER_MAX_INFLIGHT_PER_WORKER = env_int("CONTROLPANEL_MAX_INFLIGHT_PER_WORKER", 0, minimum=0)
 ROUTER_QUEUE_TIMEOUT = env_float("CONTROLPANEL_QUEUE_TIMEOUT", 10.0, minimum=0.0)
 ROUTER_QUEUE_MAX = env_int("CONTROLPANEL_QUEUE_MAX", 1000, minimum=0)
+# Blocks of one worker's KV cache a router indexes from its events (routing.kv_index); past
+# it the oldest are dropped. vLLM holds tens of thousands per GPU.
+ROUTER_KV_INDEX_MAX_BLOCKS = env_int("CONTROLPANEL_KV_INDEX_MAX_BLOCKS", 500_000, minimum=16)
 # On SIGTERM the router stops accepting and gives open requests (streams) this long.
 ROUTER_SHUTDOWN_GRACE = env_int("CONTROLPANEL_SHUTDOWN_GRACE", 30, minimum=0)
 ROUTER_BODY_TIMEOUT = env_float("CONTROLPANEL_BODY_TIMEOUT", 30.0, minimum=0.1)
 ROUTER_SNAPSHOT_POLL_SECONDS = env_float("CONTROLPANEL_SNAPSHOT_POLL", 0.25, minimum=0.01)
 
+# One line format for every process `serve` runs (launcher.router gives uvicorn the same).
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S %Z"
+_ACCESS_LOG_TO: dict[str, object] = (
+    {"class": "logging.handlers.WatchedFileHandler", "filename": CONTROLPANEL_ACCESS_LOG_FILE}
+    if CONTROLPANEL_ACCESS_LOG_FILE
+    else {"class": "logging.StreamHandler"}
+)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {
-        "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
+        "plain": {"format": LOG_FORMAT, "datefmt": LOG_DATE_FORMAT},
         "message": {"format": "%(message)s"},  # the access log's lines are JSON already
+    },
+    "filters": {
+        "access_sample": {
+            "()": "routing.access_log.SampleFilter",
+            "share": CONTROLPANEL_ACCESS_LOG_SAMPLE,
+        },
     },
     "handlers": {
         "console": {"class": "logging.StreamHandler", "formatter": "plain"},
-        "access": {"class": "logging.StreamHandler", "formatter": "message"},
+        "access": {**_ACCESS_LOG_TO, "formatter": "message", "filters": ["access_sample"]},
     },
     "root": {"handlers": ["console"], "level": env_str("CONTROLPANEL_LOG_LEVEL", "INFO")},
     "loggers": {
         "httpx": {"level": "WARNING"},
         "django.db.backends": {"level": "WARNING"},
+        # Celery's own chatter (tasks received and done, beat's schedule) stays off the
+        # console; `celery worker --loglevel` sets it (controlpanel.celery).
+        "celery": {"level": "WARNING"},
+        # The filesystem broker has no host, which kombu warns about on every start; its
+        # other INFO lines (messages restored on a stop) are Celery's business too.
+        "kombu": {"level": "WARNING"},
+        "kombu.connection": {"level": "ERROR"},
+        # One human line per operational event (registry.events), whatever the level.
+        "controlpanel.events": {"handlers": ["console"], "level": "INFO", "propagate": False},
         "routing.access": {
             "handlers": ["access"],
             "level": "INFO" if CONTROLPANEL_ACCESS_LOG else "WARNING",
@@ -260,12 +306,29 @@ CELERY_BEAT_SCHEDULE = {
 
 # --- Health probes (Celery) ----------------------------------------------------------------
 CONTROLPANEL_PROBE_INTERVAL = env_float("CONTROLPANEL_PROBE_INTERVAL", 5.0, minimum=0.2)
+# How long a worker's reported queue corrects the routers' load (routing.policies.load): two
+# probe intervals and a second, so one late probe does not drop it.
+ROUTER_LOAD_REPORT_MAX_AGE = env_float(
+    "CONTROLPANEL_LOAD_REPORT_MAX_AGE", 2 * CONTROLPANEL_PROBE_INTERVAL + 1, minimum=0.0
+)
 CONTROLPANEL_PROBE_TIMEOUT = env_float("CONTROLPANEL_PROBE_TIMEOUT", 3.0, minimum=0.1)
 CONTROLPANEL_UNHEALTHY_AFTER = env_int("CONTROLPANEL_UNHEALTHY_AFTER", 3, minimum=1)
 CONTROLPANEL_HEALTHY_AFTER = env_int("CONTROLPANEL_HEALTHY_AFTER", 2, minimum=1)
+# Health from real traffic (controlpanel.fleet.traffic_health): a worker whose routers saw
+# at least DEGRADED_ERROR_RATE of at least DEGRADED_MIN_REQUESTS requests fail (5xx, refused,
+# reset) over the last DEGRADED_WINDOW seconds becomes `degraded`. DEGRADED_WEIGHT 0: it
+# leaves the rotation; > 0: it stays with its weight times this (weighted policies).
+CONTROLPANEL_DEGRADED_ERROR_RATE = env_float("CONTROLPANEL_DEGRADED_ERROR_RATE", 0.5, minimum=0.0)
+CONTROLPANEL_DEGRADED_MIN_REQUESTS = env_int("CONTROLPANEL_DEGRADED_MIN_REQUESTS", 20, minimum=1)
+CONTROLPANEL_DEGRADED_WINDOW = env_float("CONTROLPANEL_DEGRADED_WINDOW", 30.0, minimum=1.0)
+CONTROLPANEL_DEGRADED_WEIGHT = env_float("CONTROLPANEL_DEGRADED_WEIGHT", 0.0, minimum=0.0)
+# The dashboard's warnings (cells in colour, the problems banner): a worker's error rate over
+# the degraded window, and its waiting requests (vLLM's queue), from these on.
+CONTROLPANEL_WARN_ERROR_RATE = env_float("CONTROLPANEL_WARN_ERROR_RATE", 0.05, minimum=0.0)
+CONTROLPANEL_WARN_WAITING = env_int("CONTROLPANEL_WARN_WAITING", 8, minimum=1)
 CONTROLPANEL_MODELS_EVERY = env_int("CONTROLPANEL_MODELS_EVERY", 6, minimum=1)
-CONTROLPANEL_HISTORY_MINUTES = env_int("CONTROLPANEL_HISTORY_MINUTES", 30, minimum=15)
-# GPU warnings (controlpanel.gpu_health). vLLM reserves about 90% of GPU memory up front
+CONTROLPANEL_HISTORY_MINUTES = env_int("CONTROLPANEL_HISTORY_MINUTES", 360, minimum=15)
+# GPU warnings (controlpanel.fleet.gpu_health). vLLM reserves about 90% of GPU memory up front
 # (--gpu-memory-utilization), so only a GPU that is nearly full is worth a warning.
 CONTROLPANEL_GPU_TEMP_WARN_C = env_float("CONTROLPANEL_GPU_TEMP_WARN_C", 85.0, minimum=0)
 CONTROLPANEL_GPU_MEMORY_WARN_PERCENT = env_float(

@@ -7,20 +7,27 @@ on every route, model routes, /v1/models, the seed listings, /health, /metrics a
 router's own 401s, 404s and 405s alike, it is returned in the answer's `X-Request-ID` and
 written in the access log: one JSON object per request, on the `routing.access` logger, with
 what happened and never with what was asked: no prompt text, and of the client's key only
-its public prefix. `model` and `worker` are null where there is none, as on /health.
+its public prefix. `model` and `worker` are null where there is none, as on /health;
+`model` is the served model that answered, and `fallbacks` lists the moves from the name
+the client asked for to it (routing.fallbacks), null for a request that made none.
+
+Where the lines go is logging's business (settings.LOGGING: stderr or a file). `SampleFilter`
+keeps a share of the successful requests' lines and every other one, for a busy router or
+a demo whose console should show operators' events rather than every request.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import time
-from collections.abc import MutableMapping
 from time import perf_counter
-from typing import Any
 
 import orjson
 
+from routing import explain, fallbacks
+from routing.asgi_types import Scope
 from routing.auth import SCOPE_KEY
 from routing.metrics import CLIENT_CLOSED, RequestTrace
 
@@ -29,15 +36,21 @@ MAX_REQUEST_ID = 128
 log = logging.getLogger("routing.access")
 
 
-def request_id(scope: MutableMapping[str, Any]) -> bytes:
+def request_id(scope: Scope) -> bytes:
     """The request's id; a made-up one is added to the headers that go upstream."""
     headers = scope["headers"]
+    found: bytes | None = None
     for name, value in headers:
         if name == HEADER:
-            if _sensible(value):
-                return bytes(value)
-            headers = [(n, v) for n, v in headers if n != HEADER]
-            break
+            found = value
+        elif name == explain.HEADER and explain.wanted(value):
+            # The one pass over the client's headers also notes an explain request, so
+            # a request that asks for none costs nothing more (routing.explain).
+            scope[explain.SCOPE_KEY] = True
+    if found is not None:
+        if _sensible(found):
+            return bytes(found)
+        headers = [(n, v) for n, v in headers if n != HEADER]
     made = os.urandom(16).hex().encode()
     scope["headers"] = [*headers, (HEADER, made)]
     return made
@@ -47,7 +60,7 @@ def enabled() -> bool:
     return log.isEnabledFor(logging.INFO)
 
 
-def write(scope: MutableMapping[str, Any], trace: RequestTrace, rid: bytes, worker: str) -> None:
+def write(scope: Scope, trace: RequestTrace, rid: bytes, worker: str) -> None:
     """One line per request, at its end."""
     key = scope.get(SCOPE_KEY)
     first_byte = trace.first_byte
@@ -62,8 +75,24 @@ def write(scope: MutableMapping[str, Any], trace: RequestTrace, rid: bytes, work
         "duration_ms": round((perf_counter() - trace.started) * 1000, 2),
         "ttft_ms": None if first_byte is None else round((first_byte - trace.started) * 1000, 2),
         "key": None if key is None else key.prefix,
+        "fallbacks": fallbacks.hops_of(scope),  # [{"from", "to", "reason"}], or null
     }
-    log.info(orjson.dumps(line).decode())
+    log.info(orjson.dumps(line).decode(), extra={"status": line["status"]})
+
+
+class SampleFilter(logging.Filter):
+    """Keeps `share` (0 to 1) of the lines of requests answered below 400, and all others:
+    a failure is the line somebody will look for."""
+
+    def __init__(self, share: float = 1.0) -> None:
+        super().__init__()
+        self.share = share
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        status = getattr(record, "status", None)
+        if self.share >= 1 or not isinstance(status, int) or status >= 400:
+            return True
+        return random.random() < self.share
 
 
 def _sensible(value: bytes) -> bool:

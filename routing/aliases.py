@@ -42,18 +42,26 @@ _HASH_SPAN = float(1 << 64)
 @dataclass(frozen=True, slots=True)
 class AliasRoute:
     """An alias as the router uses it. `targets` keeps weights > 0 only; `live` those of
-    them that have a routable worker now (all of them when none has)."""
+    them that have a routable worker now (all of them when none has); `fallbacks` the names
+    its requests move on to, in the order tried (routing.fallbacks)."""
 
     name: str
     targets: tuple[tuple[str, int], ...]
     live: tuple[tuple[str, int], ...] = ()
     _cumulative: tuple[int, ...] = field(default=(), repr=False)
+    fallbacks: tuple[str, ...] = ()
 
     @classmethod
-    def build(cls, name: str, weights: Mapping[str, int], serving: frozenset[str]) -> AliasRoute:
+    def build(
+        cls,
+        name: str,
+        weights: Mapping[str, int],
+        serving: frozenset[str],
+        fallbacks: tuple[str, ...] = (),
+    ) -> AliasRoute:
         targets = tuple(sorted((t, int(w)) for t, w in weights.items() if int(w) > 0))
         live = tuple(t for t in targets if t[0] in serving) or targets
-        return cls(name, targets, live, tuple(accumulate(w for _, w in live)))
+        return cls(name, targets, live, tuple(accumulate(w for _, w in live)), fallbacks)
 
     def choose(self, session_key: str | None) -> str | None:
         if not self.live:
@@ -106,9 +114,10 @@ class ModelNameRewriter:
     begin it wait for the next chunk (at most the pattern's length; an SSE event ends in a
     blank line, so in practice nothing waits)."""
 
-    __slots__ = ("_carry", "_keep", "_pairs")
+    __slots__ = ("_carry", "_keep", "_pairs", "alias")
 
     def __init__(self, target: str, alias: str) -> None:
+        self.alias = alias  # the name the client asked for (routing.tracing reads it)
         old, new = orjson.dumps(target), orjson.dumps(alias)
         self._pairs = (
             (b'"model":' + old, b'"model":' + new),

@@ -19,6 +19,11 @@ Rate limits are token buckets per key:
   the router, which takes the usage event out again before the client sees it
   (routing.usage.ask_for_usage), so streaming is no way around the limit.
 
+Token budgets per UTC day and month (`daily_tokens`, `monthly_tokens`) are checked first, in
+memory: routing.budgets counts every answer's tokens and shares the counts through Redis off
+the request path. A key whose budget is used up gets a 429 naming the budget and its reset,
+with Retry-After the seconds until then; a request already running is never cut.
+
 With `REDIS_URL` set the buckets live in Redis (routing.shared_store), shared by every router
 process. Without it, or while Redis is unreachable, each process keeps its own, and with N
 router processes a key can then get up to N times its limit.
@@ -31,17 +36,18 @@ import hmac
 import math
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import orjson
 
+from routing.asgi_types import Scope, Send
+from routing.budgets import BudgetLedger, Exhausted
+from routing.priority import STANDARD
 from routing.shared_store import RedisUnavailable, SharedStore
 from routing.usage import UsageLedger, UsageTap
-
-Message = MutableMapping[str, Any]
-Send = Callable[[Message], Awaitable[None]]
 
 KEY_MARK = "cpk_"
 PREFIX_LENGTH = len(KEY_MARK) + 8
@@ -70,6 +76,11 @@ class ClientKey:
     models: frozenset[str] = frozenset()  # models or aliases; empty: every model
     rpm: int | None = None
     tpm: int | None = None
+    explain: bool = False  # may ask for X-Route-Explain (routing.explain)
+    priority: str = STANDARD  # its requests' highest class (routing.priority)
+    weight: float = 1.0  # its share against its class's other keys (routing.admission)
+    daily_tokens: int | None = None  # token budgets (routing.budgets); None: none
+    monthly_tokens: int | None = None
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
@@ -136,15 +147,16 @@ class ClientGate:
     """Authenticates, authorises and rate-limits keyed requests, and meters their usage.
     Lives as long as the router; its buckets survive snapshot swaps."""
 
-    def __init__(self, store: SharedStore | None = None) -> None:
+    def __init__(
+        self, store: SharedStore | None = None, budgets: BudgetLedger | None = None
+    ) -> None:
         self.usage = UsageLedger()
+        self.budgets = budgets or BudgetLedger()  # synced by routing.fleet_sync with Redis
         self.store = store  # shared buckets in Redis; None: this process's own
         self._requests: dict[int, TokenBucket] = {}
         self._tokens: dict[int, TokenBucket] = {}
 
-    def authenticate(
-        self, scope: MutableMapping[str, Any], keys: Mapping[str, ClientKey]
-    ) -> ClientKey | Refusal:
+    def authenticate(self, scope: Scope, keys: Mapping[str, ClientKey]) -> ClientKey | Refusal:
         """The caller's key from `Authorization: Bearer`, which is removed from the request
         so the client's secret never travels on to a worker."""
         token = _take_bearer(scope)
@@ -162,6 +174,10 @@ class ClientGate:
         Shared buckets when Redis is configured and answering, else this process's."""
         if not key.allows(model):
             return not_found(model)
+        if (spent := self.budgets.exhausted(key)) is not None:
+            refusals = self.budgets.refusals
+            refusals[spent.period.kind] = refusals.get(spent.period.kind, 0) + 1
+            return _budget_refusal(key, spent, self.budgets.now())
         if key.tpm is None and key.rpm is None:
             return None
         if self.store is not None and self.store.up:
@@ -200,7 +216,9 @@ class ClientGate:
         return tap.wrap(send)
 
     def _charge(self, key: ClientKey, tokens: int) -> None:
-        """Both: the shared bucket for the limit, the local one in case Redis goes away."""
+        """The budgets (every key: one may get a budget later today), and for tpm both
+        buckets: the shared one for the limit, the local one in case Redis goes away."""
+        self.budgets.charge(key.prefix, tokens)
         if key.tpm is not None:
             now = time.monotonic()
             _bucket(self._tokens, key.id, key.tpm, now).charge(tokens, now)
@@ -240,7 +258,14 @@ def _rate_limited(limit: str, key: ClientKey, wait: float) -> Refusal:
     )
 
 
-def _take_bearer(scope: MutableMapping[str, Any]) -> str | None:
+def _budget_refusal(key: ClientKey, spent: Exhausted, now: datetime) -> Refusal:
+    seconds = spent.seconds_to_reset(now)
+    return Refusal(
+        429, spent.message(key.prefix), headers=((b"retry-after", str(seconds).encode()),)
+    )
+
+
+def _take_bearer(scope: Scope) -> str | None:
     headers = scope["headers"]
     kept = [(name, value) for name, value in headers if name != b"authorization"]
     if len(kept) == len(headers):

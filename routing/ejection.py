@@ -12,7 +12,10 @@ While every worker of a model is ejected none is excluded (a router that refused
 traffic would turn a partial outage into a total one).
 
 Ejections and readmissions are queued as events for the control plane's log (the refresher
-reports them) and counted on /metrics.
+reports them) and counted on /metrics. With several routers they are also queued in
+`to_share` for routing.fleet_sync, which tells every other router; those apply them with
+`eject_shared` and `readmit_shared`, which record no event of their own (the router that
+decided reports it) and share nothing back.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class Ejector:
         self.ejections_total: dict[int, int] = {}
         self.last_ejected: dict[int, float] = {}
         self.events: list[EjectionEvent] = []
+        # (worker id, "ejected" with the seconds left, or "readmitted" with 0, why).
+        self.to_share: list[tuple[int, str, float, str]] = []
 
     def failure(self, worker_id: int, cause: str, now: float | None = None) -> None:
         if self.threshold <= 0 or worker_id in self.ejected_until:
@@ -72,9 +77,9 @@ class Ejector:
         self.last_ejected[worker_id] = now
         self.ejections_total[worker_id] = self.ejections_total.get(worker_id, 0) + 1
         self.failures[worker_id] = 0
-        self.events.append(
-            EjectionEvent(worker_id, "ejected", f"{why}; out of rotation for {cooldown:g} s")
-        )
+        message = f"{why}; out of rotation for {cooldown:g} s"
+        self.events.append(EjectionEvent(worker_id, "ejected", message))
+        self.to_share.append((worker_id, "ejected", cooldown, message))
 
     def routable(self, workers: Sequence[WorkerView]) -> Sequence[WorkerView]:
         """The workers not ejected now (all of them when every one is)."""
@@ -93,6 +98,7 @@ class Ejector:
         del self.ejected_until[worker_id]
         if healthy:
             self.events.append(EjectionEvent(worker_id, "readmitted", f"probe answered: {detail}"))
+            self.to_share.append((worker_id, "readmitted", 0.0, detail))
         else:
             self._eject(worker_id, f"probe after the cool-down failed: {detail}", now)
 
@@ -112,6 +118,23 @@ class Ejector:
         for table in (self.failures, self.ejected_until):
             for wid in [w for w in table if w not in live_ids]:
                 del table[wid]
+
+    def eject_shared(self, worker_id: int, seconds: float, now: float | None = None) -> None:
+        """Another router ejected the worker for `seconds` more: out of rotation here too,
+        probed here when that is over (each router readmits by its own probe, or the
+        deciding router's readmission reaches it first)."""
+        now = time.monotonic() if now is None else now
+        self.ejected_until[worker_id] = max(self.ejected_until.get(worker_id, 0.0), now + seconds)
+        self.failures[worker_id] = 0
+
+    def readmit_shared(self, worker_id: int) -> None:
+        """Another router's probe found the worker healthy again."""
+        self.ejected_until.pop(worker_id, None)
+        self.failures[worker_id] = 0
+
+    def take_shared(self) -> list[tuple[int, str, float, str]]:
+        taken, self.to_share = self.to_share, []
+        return taken
 
     def take_events(self) -> list[EjectionEvent]:
         taken, self.events = self.events, []

@@ -1,4 +1,10 @@
-"""OpenAI-format error bodies: clients and SDKs parse these, never an HTML page."""
+"""OpenAI-format error bodies: clients and SDKs parse these, never an HTML page.
+
+One shape for every error the project writes, the router's and the control plane's alike:
+    {"error": {"message": ..., "type": ..., "param": ..., "code": <the HTTP status>}}
+`error_payload` builds it as a dict, for a framework that renders JSON itself (Django's
+JsonResponse, django-ninja); `error_body` serialises it, for the router's bare ASGI.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ from typing import Any
 
 import orjson
 
+# The `type` for a status when the caller names none (routing's own errors).
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -17,18 +24,28 @@ _TYPES = {
     503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
 }
+_DEFAULT_TYPE = "InternalServerError"
 
 
-def error_body(status: int, message: str, *, param: str | None = None) -> bytes:
-    payload: dict[str, Any] = {
+def error_payload(
+    status: int, message: str, *, kind: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """The error as a dict; `kind` is its `type` field, by default named after `status`."""
+    return {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "InternalServerError"),
+            "type": kind or _TYPES.get(status, _DEFAULT_TYPE),
             "param": param,
             "code": status,
         }
     }
-    return orjson.dumps(payload)
+
+
+def error_body(
+    status: int, message: str, *, kind: str | None = None, param: str | None = None
+) -> bytes:
+    """The error as JSON bytes, ready to send."""
+    return orjson.dumps(error_payload(status, message, kind=kind, param=param))
 
 
 def sse_error_event(message: str, status: int = 502) -> bytes:

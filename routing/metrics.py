@@ -16,10 +16,14 @@ Router metrics: this process's own traffic on the model routes (/v1/chat/complet
   by the target model the router chose for them (routing.aliases).
 * `controlpanel_router_retries_total{reason}`: attempts moved to another worker before any
   byte reached the client (`connect`, `reset`, `connect_timeout`, `status_429|502|503`).
+* `controlpanel_router_fallbacks_total{model, target, reason}`: requests moved on from a
+  model or alias to one of its fallbacks (routing.fallbacks).
 * `controlpanel_router_worker_ejected{worker}` (gauge) and
   `controlpanel_router_ejections_total{worker}`: outlier ejection (routing.ejection).
 * `controlpanel_router_queued{model}` (gauge) and
   `controlpanel_router_admission_rejected_total{model}`: admission control (routing.admission).
+* `controlpanel_router_class_*{model, class}`: priority classes (routing.admission_metrics).
+* `controlpanel_router_lease_slots{limit}` (gauge): this router's leases (routing.leases).
 * `controlpanel_router_inflight{worker}` (gauge): requests this process has on each worker.
 * `controlpanel_router_upstream_errors_total{worker, kind}`: `connect` (refused, no route,
   DNS), `reset` (the connection failed after it was made, before the response head),
@@ -37,6 +41,8 @@ Worker metrics: the fleet as the snapshot sees it, one series per worker:
   value (None) has no sample at all: never a made-up zero.
 
 * `controlpanel_gpu_*{worker, gpu}`: each worker's GPUs (routing.gpu_metrics).
+* `vllm:*{worker, ...}`: every series vLLM itself exports, under its own name, as last
+  probed (routing.vllm_metrics), so dashboards written for vLLM work through the router.
 
 The `worker` label is the worker's name (`name#id` while two workers share a name); a
 worker's counters keep its last known name after it leaves the fleet.
@@ -70,8 +76,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from routing.admission_metrics import admission_families, priority_families
+from routing.fallbacks import fallbacks_family
+from routing.fleet_sync import shared_state_families
 from routing.gpu_metrics import gpu_families
 from routing.snapshot import WorkerView
+from routing.vllm_metrics import vllm_families
 
 if TYPE_CHECKING:
     from routing.policies.base import BasePolicy
@@ -155,7 +165,10 @@ class RouterMetrics:
         self.worker_names: dict[int, str] = {}
         self.alias_requests: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.retries: defaultdict[str, int] = defaultdict(int)
+        self.fallbacks: dict[tuple[str, str, str], int] = {}  # (from, to, reason)
         self.gate_ttft: dict[str, PlainHistogram] = {}
+        # Requests whose X-Priority asked above their key's class, by the rank they got.
+        self.priority_capped: defaultdict[int, int] = defaultdict(int)
 
     def finish(self, trace: RequestTrace, ended: float) -> None:
         status = trace.status or CLIENT_CLOSED
@@ -238,11 +251,16 @@ class RouterCollector(Collector):
         app = self.app
         yield from router_families(app.metrics, app.inflight, app.snapshot.workers)
         yield policy_info_family(app.route_policies())
+        yield model_workers_family(app)
         yield policy_decisions_family(app.route_policies())
         yield alias_requests_family(app.metrics)
         yield retries_family(app.metrics)
+        yield from fallbacks_family(app.metrics.fallbacks)
         yield from ejection_families(app)
         yield from admission_families(app)
+        yield from priority_families(app)
+        yield from shared_state_families(app.sync)
+        yield from app.kv_events.families(app.metrics.worker_label)
         if app.exports_fleet_metrics:
             yield from worker_families(app.snapshot.workers, app.metrics)
 
@@ -266,6 +284,19 @@ def policy_info_family(policies: Mapping[str, BasePolicy]) -> Metric:
     )
     for model, policy in policies.items():
         family.add_metric([model, policy.name], 1)
+    return family
+
+
+def model_workers_family(app: RouterApp) -> Metric:
+    """Workers this router can send each served model to now (0: it answers 503); while
+    it has ejected every one of them it tries them all, and counts them all."""
+    family = GaugeMetricFamily(
+        "controlpanel_router_model_workers",
+        "Routable workers for each model in this router's view, less the ones it ejected.",
+        labels=["model"],
+    )
+    for model, route in app.snapshot.routes.items():
+        family.add_metric([model], len(app.ejector.routable(route.workers)))
     return family
 
 
@@ -325,26 +356,6 @@ def ejection_families(app: RouterApp) -> Iterator[Metric]:
     for worker_id, count in ejector.ejections_total.items():
         total.add_metric([label(worker_id)], count)
     yield total
-
-
-def admission_families(app: RouterApp) -> Iterator[Metric]:
-    """Requests waiting for room under the in-flight limits, and those turned away (429)."""
-    queued = GaugeMetricFamily(
-        "controlpanel_router_queued",
-        "Requests waiting for room under the in-flight limits, by model.",
-        labels=["model"],
-    )
-    for model, count in app.admission.queued().items():
-        queued.add_metric([model], count)
-    yield queued
-    rejected = CounterMetricFamily(
-        "controlpanel_router_admission_rejected",
-        "Requests answered 429 because the queue was full or the wait ran out, by model.",
-        labels=["model"],
-    )
-    for model, count in app.admission.rejected.items():
-        rejected.add_metric([model], count)
-    yield rejected
 
 
 def render(collector: Collector) -> bytes:
@@ -441,6 +452,7 @@ def worker_families(workers: Iterable[WorkerView], metrics: RouterMetrics) -> It
     yield queue
     yield from _scraped_families(workers, label)
     yield from gpu_families(workers, label)
+    yield from vllm_families(workers, label)
 
 
 def _scraped_families(

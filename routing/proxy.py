@@ -17,8 +17,9 @@ import gc
 import logging
 import random
 import time
+import uuid
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -27,33 +28,35 @@ import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry
 
-from routing import access_log
-from routing.admission import Admission
+from routing import access_log, explain, fallbacks, listings
+from routing.admission import STANDARD_RANK, Admission, Ticket
 from routing.aliases import ModelNameRewriter, rewrite_request_model, session_key
-from routing.auth import OPEN_PATHS, ClientGate, ClientKey, Refusal, visible_models
+from routing.asgi_types import Receive, Scope, Send
+from routing.auth import SCOPE_KEY as AUTH_SCOPE_KEY
+from routing.auth import ClientGate, ClientKey, Refusal
+from routing.cache_check import CacheCheck, CacheCheckCollector
 from routing.ejection import Ejector
-from routing.errors import error_body, sse_error_event
-from routing.metrics import (
-    CONTENT_TYPE,
-    CollectedFamilies,
-    RequestTrace,
-    RouterCollector,
-    RouterMetrics,
-    render,
-)
+from routing.errors import sse_error_event
+from routing.explain import DecisionRing
+from routing.fleet_sync import FleetSync
+from routing.kv_index import DEFAULT_MAX_BLOCKS_PER_WORKER, KvIndex
+from routing.kv_subscriber import KvSubscriber
+from routing.listings import METRICS_PATH, SEED_ROUTES
+from routing.load_signal import DEFAULT_REPORT_MAX_AGE, LoadBoard
+from routing.metrics import RequestTrace, RouterCollector, RouterMetrics, render
 from routing.policies import make_policy
 from routing.policies.base import BasePolicy, RequestInfo
+from routing.priority import HEADER as PRIORITY_HEADER
+from routing.priority import UnknownClass, request_rank
 from routing.request_text import request_text
+from routing.responses import refuse, respond_error
 from routing.shared_store import SharedStore
 from routing.snapshot import ModelRoute, Snapshot, WorkerView
+from routing.tokenize import RequestTokens, TokenizeCollector
+from routing.tracing import tracer_from_env
 from routing.usage import ask_for_usage
 
 log = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 # Routes forwarded by the `model` field of their JSON body.
 MODEL_ROUTES = frozenset(
@@ -74,9 +77,6 @@ MODEL_ROUTES = frozenset(
         "/classify",
     }
 )
-SEED_ROUTES = frozenset({"/list_models", "/list_workers", "/health"})
-METRICS_PATH = "/metrics"
-GET_ROUTES = SEED_ROUTES | {"/v1/models", METRICS_PATH}
 # vLLM's administrative and dev-mode endpoints: answered here with a 404 so that no client
 # can ever put a worker to sleep or reset its cache through the public router.
 PRIVATE_ROUTES = frozenset(
@@ -128,10 +128,6 @@ _RESPONSE_DROP_RENAMED = RESPONSE_DROP | {b"content-length"}
 # Answers that mean "not now, not here": safe to send to another worker before any byte.
 RETRY_STATUSES = frozenset({429, 502, 503})
 
-_JSON = b"application/json"
-_METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
-
-
 GC_GEN0_THRESHOLD = 20_000
 _CAUSE_MAX_CHARS = 500
 
@@ -157,7 +153,10 @@ class RouterConfig:
     max_inflight_per_worker: int = 0  # per router process; 0: no limit (routing.admission)
     queue_timeout: float = 10.0  # seconds a request waits for room before its 429
     queue_max: int = 1000  # requests waiting per model before newcomers get 429 at once
-    redis_url: str = ""  # shared rate limits and their health (routing.shared_store)
+    redis_url: str = ""  # shared state between routers (routing.shared_store, fleet_sync)
+    # How long a worker's reported queue corrects the load (routing.policies.load).
+    load_report_max_age: float = DEFAULT_REPORT_MAX_AGE
+    kv_index_max_blocks: int = DEFAULT_MAX_BLOCKS_PER_WORKER  # per worker (routing.kv_index)
 
 
 def routes_here(path: str) -> bool:
@@ -171,6 +170,50 @@ def routes_here(path: str) -> bool:
     )
 
 
+@dataclass(slots=True, eq=False)
+class Exchange:
+    """One model-route request, from its first byte in to its last byte out. Created once
+    per request and filled in as the request is placed, so the steps below read what they
+    need from it instead of passing the ASGI triple and the routing decision along."""
+
+    scope: Scope
+    receive: Receive
+    send: Send  # wrapped by the usage meter once a client key is admitted (routing.auth)
+    trace: RequestTrace
+    body: bytes = b""  # as forwarded: an alias's target spliced in, usage asked for
+    rewriter: ModelNameRewriter | None = None  # renames an alias's answer back
+    # Set once the request is placed, before the first attempt:
+    policy: BasePolicy = field(init=False)
+    request: RequestInfo = field(init=False)
+    worker: WorkerView = field(init=False)  # the current attempt's
+    # Per attempt: whether a failure before the first byte may go to another worker, whether
+    # the answer went out whole and not as a 5xx (for the policy), whether the answer is
+    # complete, and whether the client left before it was.
+    may_retry: bool = False
+    ok: bool = False
+    answered: bool = False
+    client_gone: bool = False
+    # routing.explain: the explanation when the request asked for one and may have it.
+    explain: dict[str, Any] | None = None
+    decision: str = ""  # the policy's kind of decision, for the recent-decisions ring
+    attempts: int = 0
+    # routing.fallbacks, for a model or alias that has them: the names still to try (those
+    # the client's key may use), the hops taken (None: not falling back), and why the last
+    # try moved on (set only while a fallback is left, and nothing was sent).
+    fallbacks: tuple[str, ...] = ()
+    hops: list[dict[str, str]] | None = None
+    fall_back_reason: str | None = None
+    # routing.priority and routing.admission: the class's rank (0: critical), the flow
+    # (client key id; 0 without keys) and its fair-share weight.
+    rank: int = STANDARD_RANK
+    flow: int = 0
+    weight: float = 1.0
+
+    def first_byte(self) -> None:
+        self.trace.first_byte = perf_counter()
+        self.policy.on_first_byte(self.worker, self.request)
+
+
 class RouterApp:
     """The ASGI callable for router paths. `snapshot` is swapped by the refresher."""
 
@@ -182,21 +225,38 @@ class RouterApp:
         self.config = config or RouterConfig()
         self.snapshot: Snapshot = Snapshot.empty()
         self.snapshot_error: str | None = None
-        self.inflight: defaultdict[int, int] = defaultdict(int)
+        self.inflight: defaultdict[int, int] = defaultdict(int)  # this process's own
+        # What the policies read: every router's in flight, corrected by reports.
+        self.board = LoadBoard(self.inflight, report_max_age=self.config.load_report_max_age)
+        self.loads = self.board.loads
         self.started_at = time.time()
         self.metrics = RouterMetrics()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RouterCollector(self))
+        # kv_aware's request tokens and the cache-aware policies' predictions checked.
+        self.tokens = RequestTokens()
+        self.cache_check = CacheCheck()
+        self.registry.register(TokenizeCollector(self.tokens))
+        self.registry.register(CacheCheckCollector(self))
         # worker id -> [failures, last cause]: connection refused or reset, or no answer in
         # time, seen by real traffic; the refresher takes them for the control plane.
         self.passive_failures: dict[int, list[Any]] = {}
+        self.instance_id = uuid.uuid4().hex  # this process, to the control plane and peers
         self.store = SharedStore(self.config.redis_url) if self.config.redis_url else None
+        # Routing state shared with the deployment's other routers (routing.fleet_sync).
+        self.sync = FleetSync(self, self.store) if self.store is not None else None
         self.gate = ClientGate(self.store)  # client keys, rate limits, usage (routing.auth)
         self.ejector = Ejector(self.config.eject_after, self.config.eject_cooldown)
         self.admission = Admission(
             self.config.max_inflight_per_worker, self.config.queue_timeout, self.config.queue_max
         )
         self._session: aiohttp.ClientSession | None = None
+        # OpenTelemetry: None (off) unless OTEL_EXPORTER_OTLP_ENDPOINT is set (routing.tracing).
+        self.tracer = tracer_from_env()
+        self.decisions = DecisionRing()  # each model's latest decisions (routing.explain)
+        # Workers' KV caches from their own events, fed off the request path.
+        self.kv_index = KvIndex(self.config.kv_index_max_blocks)
+        self.kv_events = KvSubscriber(self.kv_index, lambda: self.snapshot)
         self._policies: dict[tuple[str, str, bytes], BasePolicy] = {}
         self._route_policies: dict[str, BasePolicy] = {}
 
@@ -210,6 +270,33 @@ class RouterApp:
         was_out = {w.id for w in self.snapshot.workers if not w.routable}
         self.ejector.readmit_recovered({w.id for w in snapshot.workers if w.routable} & was_out)
         self.snapshot, self._route_policies, self._policies = snapshot, policies, kept
+        self.tokens.install(snapshot)  # new tokenizer folders load on a thread
+        self.board.add_reports(
+            {w.id: (w.queue_length or 0, w.queue_at) for w in snapshot.workers if w.queue_at}
+        )
+        self.board.refresh(time.time(), (w.id for w in snapshot.workers))
+
+    def _policy_for(
+        self, route: ModelRoute, kept: dict[tuple[str, str, bytes], BasePolicy]
+    ) -> BasePolicy:
+        """Policies live across snapshot swaps while their configuration is unchanged, so
+        stateful ones keep what they learned; unused ones are dropped."""
+        key = (route.name, route.policy, orjson.dumps(dict(route.policy_config)))
+        policy = self._policies.get(key)
+        if policy is None:
+            policy = make_policy(route.policy, route.policy_config)
+            if self.sync is not None and hasattr(policy, "outbox"):
+                policy.outbox = []  # shared from its first decision on (routing.fleet_sync)
+            if hasattr(policy, "kv_index"):  # kv_aware reads the exact index (routing.kv_index)
+                policy.kv_index = self.kv_index
+        kept[key] = policy
+        return policy
+
+    def recent_decisions(self) -> dict[str, list[dict[str, Any]]]:
+        """Each model's latest decisions over this router and its peers (routing.explain),
+        newest first."""
+        peers = self.sync.peer_decisions if self.sync is not None else []
+        return explain.merged([self.decisions.snapshot(), *peers])
 
     def route_policies(self) -> Mapping[str, BasePolicy]:
         """The policy instance deciding for each model now (for /metrics)."""
@@ -223,468 +310,41 @@ class RouterApp:
     def render_metrics(self) -> bytes:
         return render(self.registry)
 
-    async def _metrics_page(self) -> bytes:
-        # Collected here, on the loop, because it reads live dicts; written out on a thread,
-        # because a big fleet's text takes tens of ms, a stall every request would feel.
-        collected = CollectedFamilies(self.registry.collect())
-        return await asyncio.to_thread(render, collected)
+    def list_workers(self) -> dict[str, Any]:
+        """What /list_workers answers (routing.listings)."""
+        return listings.worker_listing(self.snapshot, self.inflight, self.kv_events.worker_status)
+
+    def health(self) -> dict[str, Any]:
+        """What /health answers (routing.listings)."""
+        return listings.health_report(self)
 
     # --- lifecycle ------------------------------------------------------------------------
 
     async def startup(self) -> None:
+        explain.register_local(self)
         if self._session is None:
-            self._session = self._new_session()
+            self._session = _new_session(self.config)
+            if self.sync is not None:
+                await self.sync.start()
+            await self.kv_events.start()
         _tune_garbage_collector()
 
     async def shutdown(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        self.tokens.close()
+        if self.sync is not None:
+            await self.sync.stop()
         if self.store is not None:
             await self.store.close()
+        await self.kv_events.stop()
 
-    def _new_session(self) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(
-            limit=self.config.max_connections,
-            limit_per_host=self.config.max_connections_per_worker,
-            keepalive_timeout=30,
-            ttl_dns_cache=60,
-        )
-        timeout = aiohttp.ClientTimeout(
-            total=None,
-            connect=max(self.config.pool_timeout, self.config.connect_timeout),
-            sock_connect=self.config.connect_timeout,
-            sock_read=self.config.read_timeout,
-        )
-        # auto_decompress=False and no automatic headers: the client gets exactly the
-        # bytes the worker sent, encoded the way the client asked for.
-        return aiohttp.ClientSession(
-            connector=connector,
-            timeout=timeout,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
-
-    # --- ASGI entry -----------------------------------------------------------------------
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["path"] in MODEL_ROUTES:
-            return await self._proxy(scope, receive, send)
-        # Every other answer carries a request id and leaves an access-log line too.
-        trace = RequestTrace(perf_counter())
-        rid = trace.request_id = access_log.request_id(scope)
-        send = _with_request_id(send, trace)
-        try:
-            await self._answer(scope, send)
-        except Exception:
-            if trace.status:
-                raise  # mid-answer: only uvicorn can end the connection now
-            # A bug, answered like any other error (JSON, with the request id to find it by).
-            shown = rid.decode("ascii")
-            log.exception("router %s %s failed (request %s)", scope["method"], scope["path"], shown)
-            await _respond_error(send, 500, f"internal error; see the router log for {shown}")
-        finally:
-            if access_log.enabled():
-                access_log.write(scope, trace, rid, "")
-
-    async def _answer(self, scope: Scope, send: Send) -> None:
-        """The listings, /health, /metrics, and the 404s and 405s of the router's paths."""
-        path = scope["path"]
-        method = scope["method"]
-        if method != "GET":
-            if path in GET_ROUTES or path.startswith("/v1/models/"):
-                return await _respond_error(send, 405, f"{method} is not allowed on {path}")
-            return await _respond_error(send, 404, f"no route {path}")
-        client: ClientKey | None = None
-        if self.config.require_api_key and path not in OPEN_PATHS:
-            checked = self.gate.authenticate(scope, self.snapshot.api_keys)
-            if isinstance(checked, Refusal):
-                return await _refuse(send, checked)
-            client = checked
-        if path == "/v1/models":
-            snapshot = self.snapshot
-            payload = visible_models(snapshot.models_payload, snapshot.model_entries, client)
-            return await _respond(send, 200, payload)
-        if path.startswith("/v1/models/"):
-            return await self._model_detail(send, path.removeprefix("/v1/models/"), client)
-        if path == "/list_models":
-            return await _respond(send, 200, self.snapshot.list_models_payload)
-        if path == "/list_workers":
-            return await _respond(send, 200, orjson.dumps(self.list_workers()))
-        if path == "/health":
-            return await _respond(send, 200, orjson.dumps(self.health()))
-        if path == METRICS_PATH:
-            body = await self._metrics_page()
-            return await _respond(send, 200, body, content_type=_METRICS_CONTENT_TYPE)
-        await _respond_error(send, 404, f"no route {path}")
-
-    async def _model_detail(self, send: Send, model: str, client: ClientKey | None) -> None:
-        """GET /v1/models/{id}, which the SDKs' models.retrieve() calls. The ASGI path is
-        already percent-decoded, so ids with a slash (`org/model`) work as they are."""
-        entry = self.snapshot.model_entries.get(model)
-        if entry is None or (client is not None and not client.allows(model)):
-            return await _respond_error(send, 404, f"The model `{model}` does not exist.", "model")
-        await _respond(send, 200, orjson.dumps(entry))
-
-    # --- the proxy --------------------------------------------------------------------------
-
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """One model-route request, counted and timed whatever becomes of it."""
-        trace = RequestTrace(perf_counter())
-        rid = trace.request_id = access_log.request_id(scope)
-        try:
-            await self._place(scope, receive, send, trace)
-        except Exception:
-            trace.status = trace.status or 500  # uvicorn answers an escaped error with a 500
-            raise
-        finally:
-            self.metrics.finish(trace, perf_counter())
-            if access_log.enabled():
-                access_log.write(scope, trace, rid, self.metrics.worker_label(trace.worker_id))
-
-    async def _place(self, scope: Scope, receive: Receive, send: Send, trace: RequestTrace) -> None:
-        """Read, parse, pick a worker and forward; every exit leaves its status in `trace`."""
-        method = scope["method"]
-        if method != "POST":
-            return await _reject(send, trace, 405, f"{method} is not allowed on {scope['path']}")
-        client: ClientKey | None = None
-        if self.config.require_api_key:  # before the body is read: strangers cost nothing
-            checked = self.gate.authenticate(scope, self.snapshot.api_keys)
-            if isinstance(checked, Refusal):
-                return await _refuse(send, checked, trace)
-            client = checked
-        if _headers_size(scope["headers"]) > self.config.max_header_bytes:
-            limit = self.config.max_header_bytes
-            return await _reject(send, trace, 431, f"the request headers exceed {limit} bytes")
-        body = await self._read_body(scope, receive, send, trace)
-        if body is None:
-            return
-        try:
-            payload = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            return await _reject(send, trace, 400, f"the request body is not valid JSON: {exc}")
-        model = payload.get("model") if isinstance(payload, dict) else None
-        if not isinstance(model, str) or not model:
-            return await _reject(
-                send, trace, 400, "the request body must be a JSON object with a `model`", "model"
-            )
-        if client is not None:  # by the name the client asked for, alias or model
-            if refusal := await self.gate.admit(client, model):
-                return await _refuse(send, refusal, trace)
-            if (asked := ask_for_usage(scope["path"], body, payload)) is not None:
-                body = asked  # a stream that would go uncounted; the answer is cut to match
-            send = self.gate.metered(send, client, model, cut_usage_event=asked is not None)
-        await self._route(scope, receive, send, trace, body, payload, model)
-
-    async def _route(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        trace: RequestTrace,
-        body: bytes,
-        payload: dict[str, Any],
-        model: str,
-    ) -> None:
-        """Resolve an alias, pick a worker by the model's policy and forward."""
-        rewriter: ModelNameRewriter | None = None
-        alias = self.snapshot.aliases.get(model)
-        if alias is not None:
-            target = alias.choose(session_key(scope["headers"], payload))
-            if target is None:
-                return await _reject(send, trace, 503, f"the alias `{model}` has no target")
-            body = rewrite_request_model(body, payload, model, target)
-            rewriter = ModelNameRewriter(target, model)
-            self.metrics.alias_requests[model, target] += 1
-            model = target
-        route = self.snapshot.routes.get(model)
-        policy = self._route_policies.get(model)
-        if route is None or policy is None:
-            return await _reject(send, trace, 404, f"The model `{model}` does not exist.", "model")
-        trace.model = model  # only now: a served name, so the label set stays bounded
-        # The prompt as text costs CPU, so only a policy that uses it gets it.
-        text = request_text(payload) if policy.needs_request_text else None
-        request = RequestInfo(model=model, body=payload, raw_headers=scope["headers"], text=text)
-        workers = self.ejector.routable(route.workers)
-        if self.admission.limits(route.max_inflight) and workers:
-            return await self._admit(scope, receive, send, route, workers, Forward(
-                workers[0], body, policy, request, trace, rewriter
-            ))  # fmt: skip
-        worker = policy.select(workers, request, self.inflight)
-        if worker is None:
-            return await self._no_worker(send, trace, model)
-        forward = Forward(worker, body, policy, request, trace, rewriter)
-        await self._forward_with_retries(scope, receive, send, forward, workers, model)
-
-    async def _forward_with_retries(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        forward: Forward,
-        workers: Sequence[WorkerView],
-        model: str,
-    ) -> None:
-        forward.trace.worker_id = forward.worker.id
-        forward.retries_left = self.config.retries if len(workers) > 1 else 0
-        await self._forward_counted(scope, receive, send, forward)
-        while forward.retry:
-            await self._retry(scope, receive, send, forward, workers, model)
-
-    async def _admit(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        route: ModelRoute,
-        workers: Sequence[WorkerView],
-        forward: Forward,
-    ) -> None:
-        """Forward within the in-flight limits, after a bounded wait; else 429."""
-        policy, request = forward.policy, forward.request
-
-        def choose(candidates: Sequence[WorkerView]) -> WorkerView | None:
-            return policy.select(candidates, request, self.inflight)
-
-        worker = await self.admission.acquire(
-            route.name, workers, route.max_inflight, choose, self.inflight
-        )
-        if worker is None:
-            return await _reject(
-                send,
-                forward.trace,
-                429,
-                f"too many requests in flight for `{route.name}`; retry shortly",
-                extra_headers=[(b"retry-after", str(self.config.retry_after_seconds).encode())],
-            )
-        forward.worker = worker
-        try:
-            await self._forward_with_retries(scope, receive, send, forward, workers, route.name)
-        finally:
-            self.admission.release(route.name, (m.id for m in worker.models))
-
-    async def _no_worker(self, send: Send, trace: RequestTrace, model: str) -> None:
-        await _reject(
-            send,
-            trace,
-            503,
-            f"no worker is available for model `{model}` right now",
-            extra_headers=[(b"retry-after", str(self.config.retry_after_seconds).encode())],
-        )
-
-    async def _retry(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        forward: Forward,
-        workers: Sequence[WorkerView],
-        model: str,
-    ) -> None:
-        """Another worker, after a jittered pause, for an attempt that failed before any byte
-        reached the client. The last attempt relays (or reports) whatever it gets."""
-        forward.retry = False
-        forward.tried.add(forward.worker.id)
-        forward.retries_left -= 1
-        self.metrics.retries[forward.retry_reason] += 1
-        backoff = self.config.retry_backoff * (2 ** len(forward.tried) - 1)
-        await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
-        others = tuple(w for w in workers if w.id not in forward.tried)
-        worker = forward.policy.select(others, forward.request, self.inflight) if others else None
-        if worker is None:
-            return await self._no_worker(send, forward.trace, model)
-        if len(others) == 1:
-            forward.retries_left = 0
-        forward.worker = worker
-        forward.trace.worker_id = worker.id
-        await self._forward_counted(scope, receive, send, forward)
-
-    async def _read_body(
-        self, scope: Scope, receive: Receive, send: Send, trace: RequestTrace
-    ) -> bytes | None:
-        limit = self.config.max_body_bytes
-        declared = _header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _reject(send, trace, 413, f"the request body exceeds {limit} bytes")
-            return None
-        try:
-            # A client that trickles its body (slowloris) must not hold a request open.
-            async with asyncio.timeout(self.config.body_timeout):
-                return await self._receive_body(receive, send, trace, limit)
-        except TimeoutError:
-            seconds = self.config.body_timeout
-            await _reject(send, trace, 408, f"the request body did not arrive within {seconds} s")
-            return None
-
-    async def _receive_body(
-        self, receive: Receive, send: Send, trace: RequestTrace, limit: int
-    ) -> bytes | None:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await _reject(send, trace, 413, f"the request body exceeds {limit} bytes")
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    def _policy_for(
-        self, route: ModelRoute, kept: dict[tuple[str, str, bytes], BasePolicy]
-    ) -> BasePolicy:
-        """Policies live across snapshot swaps while their configuration is unchanged, so
-        stateful ones keep what they learned; unused ones are dropped."""
-        key = (route.name, route.policy, orjson.dumps(dict(route.policy_config)))
-        policy = self._policies.get(key) or make_policy(route.policy, route.policy_config)
-        kept[key] = policy
-        return policy
-
-    async def _forward_counted(
-        self, scope: Scope, receive: Receive, send: Send, forward: Forward
-    ) -> None:
-        worker, policy, request = forward.worker, forward.policy, forward.request
-        self.inflight[worker.id] += 1
-        policy.on_request_start(worker, request)
-        ok = False
-        try:
-            ok = await self._forward_watching_client(scope, receive, send, forward)
-        finally:
-            self.inflight[worker.id] -= 1
-            policy.on_request_complete(worker, request, ok)
-
-    async def _forward_watching_client(
-        self, scope: Scope, receive: Receive, send: Send, forward: Forward
-    ) -> bool:
-        """Run the forward while watching for the client leaving; if it leaves, cancel the
-        forward, which closes the upstream connection instead of finishing the generation."""
-        task = asyncio.current_task()
-        assert task is not None
-        state = {"done": False, "gone": False}
-        watcher = asyncio.create_task(_watch_disconnect(receive, task, state))
-        try:
-            return await self._forward(scope, send, forward, state)
-        except asyncio.CancelledError:
-            if not state["gone"]:
-                raise
-            task.uncancel()
-            return False
-        finally:
-            state["done"] = True
-            watcher.cancel()
-
-    async def _forward(
-        self, scope: Scope, send: Send, forward: Forward, state: dict[str, bool]
-    ) -> bool:
-        session = self._session or await self._lazy_session()
-        worker, trace = forward.worker, forward.trace
-        url = worker.url + scope["path"]
-        if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
-        # An alias's answer is renamed on the way back, which needs it uncompressed.
-        drop = _REQUEST_DROP if forward.rewriter is None else _REQUEST_DROP_REWRITING
-        if worker.upstream_authorization is None:
-            headers = _request_headers(scope["headers"], drop)
-        else:
-            headers = _request_headers(scope["headers"], _DROP_FOR_KEYED_WORKER[drop])
-            headers.append(("Authorization", worker.upstream_authorization))
-        try:
-            upstream = await session.post(
-                url, data=forward.body, headers=headers, allow_redirects=False
-            )
-        except TimeoutError as exc:
-            self._failed_before_response(worker, "timeout", exc)
-            # Only a connection that was never made is safe to try elsewhere: a worker that
-            # took the request and stayed silent may still be generating it.
-            if forward.retries_left and isinstance(exc, aiohttp.ConnectionTimeoutError):
-                return forward.ask_retry("connect_timeout")
-            await _reject(send, trace, 504, f"worker {worker.name} did not answer in time")
-            return False
-        except aiohttp.ClientError as exc:
-            kind = _connection_error_kind(exc)
-            self._failed_before_response(worker, kind, exc)
-            if forward.retries_left:
-                return forward.ask_retry(kind)
-            await _reject(send, trace, 502, f"worker {worker.name} is unreachable: {exc}")
-            return False
-        if forward.retries_left and upstream.status in RETRY_STATUSES:
-            self.metrics.upstream_error(worker.id, f"upstream_{upstream.status}")
-            if upstream.status >= 500:
-                self.ejector.failure(worker.id, f"answered {upstream.status}")
-            upstream.close()
-            return forward.ask_retry(f"status_{upstream.status}")
-        try:
-            return await self._relay(send, upstream, forward, state)
-        finally:
-            if state["gone"] or not upstream.content.at_eof():
-                upstream.close()  # the connection is mid-message: never reuse it
-            else:
-                upstream.release()
-
-    async def _relay(
-        self,
-        send: Send,
-        upstream: aiohttp.ClientResponse,
-        forward: Forward,
-        state: dict[str, bool],
-    ) -> bool:
-        worker, trace = forward.worker, forward.trace
-        status = upstream.status
-        if status >= 500:
-            self.metrics.upstream_error(worker.id, "upstream_5xx")
-            self.ejector.failure(worker.id, f"answered {status}")
-        rewriter = _usable_rewriter(forward.rewriter, upstream)
-        headers = _response_headers(upstream.raw_headers, rewriter is not None)
-        headers.append((access_log.HEADER, trace.request_id))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        trace.status = status
-        try:
-            if rewriter is None:
-                await _relay_body(send, upstream.content, forward)
-            else:
-                await _relay_body_renamed(send, upstream.content, forward, rewriter)
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            log.warning("stream from %s broke: %r", worker.name, exc)
-            self.metrics.upstream_error(worker.id, "broken_stream")
-            self.ejector.failure(worker.id, f"stream broke: {type(exc).__name__}")
-            await self._end_broken_stream(send, upstream, worker, exc)
-            return False
-        if status < 500:
-            self.ejector.success(worker.id)
-        state["done"] = True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return upstream.status < 500
-
-    async def _end_broken_stream(
-        self, send: Send, upstream: aiohttp.ClientResponse, worker: WorkerView, exc: BaseException
-    ) -> None:
-        """Headers are gone already; the honest ending is vLLM's own in-stream error event."""
-        if upstream.content_type == "text/event-stream":
-            message = f"worker {worker.name} failed mid-stream: {type(exc).__name__}"
-            await send(
-                {"type": "http.response.body", "body": sse_error_event(message), "more_body": True}
-            )
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    def _failed_before_response(self, worker: WorkerView, kind: str, exc: BaseException) -> None:
-        self.metrics.upstream_error(worker.id, kind)
-        self.ejector.failure(worker.id, f"{kind}: {type(exc).__name__}")
-        # Only what says "the server is not there": a malformed answer or a bad URL is not
-        # something a health check should act on.
-        if isinstance(exc, TimeoutError | aiohttp.ClientConnectionError):
-            cause = f"{kind}: {type(exc).__name__}: {exc}"[:_CAUSE_MAX_CHARS]
-            entry = self.passive_failures.get(worker.id)
-            if entry is None:
-                self.passive_failures[worker.id] = [1, cause]
-            else:
-                entry[0] += 1
-                entry[1] = cause
+    async def _lazy_session(self) -> aiohttp.ClientSession:
+        """For servers that skip the ASGI lifespan: make the one session on first use."""
+        await self.startup()
+        assert self._session is not None
+        return self._session
 
     async def readmit_due(self) -> None:
         """Probe the workers whose ejection cool-down is over; readmit those that answer."""
@@ -701,103 +361,462 @@ class RouterApp:
             healthy, detail = await _probe_health(session, worker.url)
             self.ejector.probed(worker_id, healthy, detail)
 
-    async def _lazy_session(self) -> aiohttp.ClientSession:
-        """For servers that skip the ASGI lifespan: make the one session on first use."""
-        await self.startup()
-        assert self._session is not None
-        return self._session
+    # --- ASGI entry -----------------------------------------------------------------------
 
-    # --- seed endpoints ---------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] in MODEL_ROUTES:
+            return await self._proxy(scope, receive, send)
+        await listings.answer(self, scope, send)
 
-    def list_workers(self) -> dict[str, Any]:
-        now = time.time()
-        workers = [
-            {
-                "id": w.id,
-                "name": w.name,
-                "url": w.url,
-                "state": w.state,
-                "source": w.source,
-                "routable": w.routable,
-                "models": [m.id for m in w.models],
-                "inflight": self.inflight.get(w.id, 0),
-                "queue_length": w.queue_length,
-                "heartbeat_age_s": _rounded(w.heartbeat_age(now)),
-                "running": w.running,
-                "waiting": w.waiting,
-                "kv_cache_usage": w.kv_cache_usage,
-                "prefix_hit_rate": w.prefix_hit_rate,
-                "metrics_age_s": _rounded(w.metrics_age),
-            }
-            for w in self.snapshot.workers
-        ]
-        return {"workers": workers}
+    # --- the proxy --------------------------------------------------------------------------
 
-    def health(self) -> dict[str, Any]:
-        counts: dict[str, int] = defaultdict(int)
-        for worker in self.snapshot.workers:
-            counts[worker.state] += 1
-        snapshot_age = time.time() - self.snapshot.built_at
-        redis_error = self.store.error if self.store is not None else None
-        return {
-            "status": "degraded" if self.snapshot_error or redis_error else "ok",
-            "workers": dict(counts),
-            "routable_workers": sum(1 for w in self.snapshot.workers if w.routable),
-            "snapshot_generation": self.snapshot.generation,
-            "snapshot_age_s": round(snapshot_age, 3),
-            "snapshot_error": self.snapshot_error,
-            "redis": "not configured" if self.store is None else redis_error or "ok",
-            "inflight": sum(self.inflight.values()),
-        }
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One model-route request, counted and timed whatever becomes of it."""
+        trace = RequestTrace(perf_counter())
+        rid = trace.request_id = access_log.request_id(scope)
+        ex = Exchange(scope, receive, send, trace)
+        span = self.tracer.start(scope) if self.tracer is not None else None
+        try:
+            await self._place(ex)
+        except Exception:
+            trace.status = trace.status or 500  # uvicorn answers an escaped error with a 500
+            raise
+        finally:
+            self.metrics.finish(trace, perf_counter())
+            if span is not None and self.tracer is not None:
+                self.tracer.end(span, ex, self.metrics.worker_label)
+            if ex.decision:
+                worker = self.metrics.worker_label(trace.worker_id) if ex.attempts else None
+                self.decisions.add(
+                    trace.model, worker, ex.decision, ex.attempts, trace.status, ex.explain
+                )
+            if access_log.enabled():
+                access_log.write(scope, trace, rid, self.metrics.worker_label(trace.worker_id))
+
+    async def _place(self, ex: Exchange) -> None:
+        """Read, parse, pick a worker and forward; every exit leaves its status in the trace."""
+        scope = ex.scope
+        method = scope["method"]
+        if method != "POST":
+            return await _reject(ex, 405, f"{method} is not allowed on {scope['path']}")
+        client: ClientKey | None = None
+        if self.config.require_api_key:  # before the body is read: strangers cost nothing
+            checked = self.gate.authenticate(scope, self.snapshot.api_keys)
+            if isinstance(checked, Refusal):
+                return await refuse(ex.send, checked, ex.trace)
+            client = checked
+        if _headers_size(scope["headers"]) > self.config.max_header_bytes:
+            limit = self.config.max_header_bytes
+            return await _reject(ex, 431, f"the request headers exceed {limit} bytes")
+        try:
+            ex.rank, capped = request_rank(
+                _header(scope, PRIORITY_HEADER), client.priority if client else None
+            )
+        except UnknownClass as exc:
+            return await _reject(ex, 400, str(exc), "x-priority")
+        if capped:
+            self.metrics.priority_capped[ex.rank] += 1
+        if client is not None:
+            ex.flow, ex.weight = client.id, client.weight
+        body = await self._read_body(ex)
+        if body is None:
+            return
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            return await _reject(ex, 400, f"the request body is not valid JSON: {exc}")
+        model = payload.get("model") if isinstance(payload, dict) else None
+        if not isinstance(model, str) or not model:
+            return await _reject(
+                ex, 400, "the request body must be a JSON object with a `model`", "model"
+            )
+        if client is not None:  # by the name the client asked for, alias or model
+            if refusal := await self.gate.admit(client, model):
+                return await refuse(ex.send, refusal, ex.trace)
+            if (asked := ask_for_usage(scope["path"], body, payload)) is not None:
+                body = asked  # a stream that would go uncounted; the answer is cut to match
+            ex.send = self.gate.metered(ex.send, client, model, cut_usage_event=asked is not None)
+        ex.body = body
+        if scope.get(explain.SCOPE_KEY) and explain.allowed(client, self.config.require_api_key):
+            ex.explain = {}  # filled in by _route once the model's route is known
+        await self._route(ex, payload, model)
+
+    async def _read_body(self, ex: Exchange) -> bytes | None:
+        limit = self.config.max_body_bytes
+        declared = _header(ex.scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _reject(ex, 413, f"the request body exceeds {limit} bytes")
+            return None
+        try:
+            # A client that trickles its body (slowloris) must not hold a request open.
+            async with asyncio.timeout(self.config.body_timeout):
+                return await _receive_body(ex, limit)
+        except TimeoutError:
+            seconds = self.config.body_timeout
+            await _reject(ex, 408, f"the request body did not arrive within {seconds} s")
+            return None
+
+    async def _route(self, ex: Exchange, payload: dict[str, Any], model: str) -> None:
+        """Resolve an alias, pick a worker by the model's policy and forward. A name with
+        fallbacks goes through _route_falling_back, which comes back here for each try."""
+        alias = self.snapshot.aliases.get(model)
+        if alias is not None:
+            if alias.fallbacks and ex.hops is None:
+                return await self._route_falling_back(ex, payload, model, alias.fallbacks)
+            target = alias.choose(session_key(ex.scope["headers"], payload))
+            if target is None:
+                return await _reject(ex, 503, f"the alias `{model}` has no target")
+            ex.body = rewrite_request_model(ex.body, payload, model, target)
+            # Named back to what the client asked for, which a fallback alias is not.
+            ex.rewriter = ModelNameRewriter(target, payload["model"])
+            self.metrics.alias_requests[model, target] += 1
+            model = target
+        route = self.snapshot.routes.get(model)
+        policy = self._route_policies.get(model)
+        if route is None or policy is None:
+            if ex.hops:  # a fallback the new snapshot no longer has: the next, or a 503
+                return await self._no_worker(ex, model, fallbacks.GONE)
+            return await _reject(ex, 404, f"The model `{model}` does not exist.", "model")
+        # The one check a request without fallbacks pays (an alias's target brings none).
+        if route.fallbacks and alias is None and ex.hops is None:
+            return await self._route_falling_back(ex, payload, model, route.fallbacks)
+        ex.trace.model = model  # only now: a served name, so the label set stays bounded
+        # The prompt as text costs CPU, so only a policy that uses it gets it.
+        text = request_text(payload) if policy.needs_request_text else None
+        headers = ex.scope["headers"]
+        workers = self.ejector.routable(route.workers)
+        tokens = None
+        if policy.needs_request_tokens:  # kv_aware only: local tokenizer, or the worker's
+            session = self._session or await self._lazy_session()
+            path = ex.scope["path"]
+            tokens = await self.tokens.of(session, path, route, payload, workers, self.loads)
+        ex.request = RequestInfo(model, payload, headers, text, tokens)
+        ex.policy = policy
+        if ex.explain is not None:  # before select, which may learn from the request
+            before = ex.explain
+            self._start_explaining(ex, payload["model"], route, workers)
+            explain.carry_over(before, ex.explain)  # a fallback's keeps the earlier tries
+        if self.admission.limits(route.max_inflight) and workers:
+            return await self._admit(ex, route, workers)
+        worker = policy.select(workers, ex.request, self.loads)
+        ex.decision = policy.last_decision if worker is not None else "no_worker"
+        if ex.explain is not None:
+            explain.decided(ex.explain, policy, worker)
+        if worker is None:
+            return await self._no_worker(ex, model)
+        ex.worker = worker
+        await self._forward_with_retries(ex, workers, model)
+
+    async def _route_falling_back(
+        self, ex: Exchange, payload: dict[str, Any], asked: str, chain: tuple[str, ...]
+    ) -> None:
+        """The request for `asked`, then, while a try fails before any byte went out, the next
+        fallback the client's key may use (routing.fallbacks). Each try is a whole _route,
+        so admission slots and counts are the try's own and released before the next."""
+        ex.fallbacks = fallbacks.usable(chain, ex.scope.get(AUTH_SCOPE_KEY))
+        ex.hops = []
+        send = ex.send  # each try wraps it for its own policy's cache check
+        await self._route(ex, payload, asked)
+        while ex.fall_back_reason is not None:
+            ex.send = send
+            target = fallbacks.move_on(ex, payload, self.metrics.fallbacks)
+            await self._route(ex, payload, target)
+
+    def _start_explaining(
+        self, ex: Exchange, asked: str, route: ModelRoute, workers: Sequence[WorkerView]
+    ) -> None:
+        told = ex.policy.explain(workers, ex.request, self.loads)
+        ex.explain = explain.start(
+            asked=asked, model=route.name, route=route, policy=ex.policy,
+            told_candidates=told.candidates, admission=self.admission_room(route, workers),
+        )  # fmt: skip
+
+    def admission_room(
+        self, route: ModelRoute, workers: Sequence[WorkerView]
+    ) -> dict[int, bool] | None:
+        """Which workers have room under the in-flight limits now (None: no limits)."""
+        if not self.admission.limits(route.max_inflight):
+            return None
+        return self.admission.room(route.name, workers, route.max_inflight, self.inflight)
+
+    async def _admit(self, ex: Exchange, route: ModelRoute, workers: Sequence[WorkerView]) -> None:
+        """Forward within the in-flight limits, after a bounded wait; else 429."""
+        policy, request = ex.policy, ex.request
+
+        def choose(candidates: Sequence[WorkerView]) -> WorkerView | None:
+            return policy.select(candidates, request, self.loads)
+
+        ticket = Ticket(ex.rank, ex.flow, ex.weight, route.priority_reserve)
+        worker = await self.admission.acquire(
+            route.name, workers, route.max_inflight, choose, self.inflight, ticket
+        )
+        ex.decision = policy.last_decision if worker is not None else ticket.refused
+        if ex.explain is not None:
+            explain.decided(ex.explain, policy, worker)
+            ex.explain["decision"] = ex.decision
+        if worker is None:
+            headers = [(b"retry-after", str(self.config.retry_after_seconds).encode())]
+            if ex.explain is not None:
+                headers.append((explain.HEADER, explain.encode(ex.explain)))
+            return await _reject(
+                ex, 429, _refusal_message(ticket, route.name), extra_headers=headers
+            )
+        ex.worker = worker
+        try:
+            await self._forward_with_retries(ex, workers, route.name)
+        finally:
+            self.admission.release(route.name, (m.id for m in worker.models), ex.rank)
+
+    async def _no_worker(self, ex: Exchange, model: str, reason: str = fallbacks.NO_WORKER) -> None:
+        if ex.fallbacks:  # nothing sent yet: the next fallback takes it (routing.fallbacks)
+            ex.fall_back_reason = reason
+            return
+        headers = [(b"retry-after", str(self.config.retry_after_seconds).encode())]
+        if ex.explain is not None:
+            headers.append((explain.HEADER, explain.encode(ex.explain)))
+        what = f"model `{model}`"
+        if ex.hops:  # every fallback was tried: name what the client asked for
+            what = f"model `{ex.hops[0]['from']}` or any of its fallbacks"
+        message = f"no worker is available for {what} right now"
+        await _reject(ex, 503, message, extra_headers=headers)
+
+    async def _forward_with_retries(
+        self, ex: Exchange, workers: Sequence[WorkerView], model: str
+    ) -> None:
+        """Forward to `ex.worker`. An attempt that fails before any byte reached the client
+        goes to another worker, never one tried already, after a jittered pause that doubles
+        each time; the last attempt relays (or reports) whatever it gets, unless a fallback
+        is left (routing.fallbacks): then its failure, or a timeout on any attempt, moves
+        the request on and nothing is sent."""
+        retries = max(0, min(self.config.retries, len(workers) - 1))
+        ex.send = self.cache_check.watch(ex)  # checks a cache-aware policy's prediction
+        others = workers  # narrowed to the untried only on a retry: no copy per request
+        for attempt in range(retries + 1):
+            ex.trace.worker_id = ex.worker.id
+            ex.may_retry = attempt < retries
+            ex.attempts = attempt + 1
+            if ex.explain is not None:  # listed before the answer's headers go out
+                step = {"worker": ex.worker.name, "moved_on": None}
+                ex.explain["attempts"].append(step)
+            reason = await self._attempt(ex)
+            if reason is None:
+                return
+            if ex.explain is not None:
+                step["moved_on"] = reason
+            if not ex.may_retry or reason == "timeout":  # only with a fallback left
+                ex.fall_back_reason = reason
+                return
+            self.metrics.retries[reason] += 1
+            failed = ex.worker.id
+            others = tuple(w for w in others if w.id != failed)
+            backoff = self.config.retry_backoff * (2 ** (attempt + 1) - 1)
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+            worker = ex.policy.select(others, ex.request, self.loads)
+            if worker is None:
+                return await self._no_worker(ex, model, reason)
+            ex.worker = worker
+
+    async def _attempt(self, ex: Exchange) -> str | None:
+        """One attempt on `ex.worker`, counted in flight and told to its policy. Returns why
+        to try another worker, or None once the client has its answer (or its error)."""
+        worker, policy, request = ex.worker, ex.policy, ex.request
+        # LoadBoard.started, inlined: the policies' loads move with this router's own count.
+        worker_id, loads = worker.id, self.loads
+        self.inflight[worker_id] += 1
+        loads[worker_id] = loads.get(worker_id, 0) + 1
+        policy.on_request_start(worker, request)
+        ex.ok = False
+        try:
+            return await self._forward_watching_client(ex)
+        finally:
+            self.inflight[worker_id] -= 1
+            loads[worker_id] = loads.get(worker_id, 0) - 1
+            policy.on_request_complete(worker, request, ex.ok)
+
+    async def _forward_watching_client(self, ex: Exchange) -> str | None:
+        """Run the forward while watching for the client leaving; if it leaves, cancel the
+        forward, which closes the upstream connection instead of finishing the generation."""
+        task = asyncio.current_task()
+        assert task is not None
+        ex.answered = ex.client_gone = False
+        watcher = asyncio.create_task(_watch_disconnect(ex, task))
+        try:
+            return await self._forward(ex)
+        except asyncio.CancelledError:
+            if not ex.client_gone:
+                raise
+            task.uncancel()
+            return None
+        finally:
+            ex.answered = True
+            watcher.cancel()
+
+    async def _forward(self, ex: Exchange) -> str | None:
+        session = self._session or await self._lazy_session()
+        scope, worker = ex.scope, ex.worker
+        url = worker.url + scope["path"]
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        # An alias's answer is renamed on the way back, which needs it uncompressed.
+        drop = _REQUEST_DROP if ex.rewriter is None else _REQUEST_DROP_REWRITING
+        if worker.upstream_authorization is None:
+            headers = _request_headers(scope["headers"], drop)
+        else:
+            headers = _request_headers(scope["headers"], _DROP_FOR_KEYED_WORKER[drop])
+            headers.append(("Authorization", worker.upstream_authorization))
+        try:
+            upstream = await session.post(url, data=ex.body, headers=headers, allow_redirects=False)
+        except TimeoutError as exc:
+            self._failed_before_response(worker, "timeout", exc)
+            # Only a connection that was never made is safe to try elsewhere: a worker that
+            # took the request and stayed silent may still be generating it. A fallback may
+            # take either (the connection is closed, so vLLM aborts it): the client has
+            # nothing yet, and the other model is another pool.
+            connecting = isinstance(exc, aiohttp.ConnectionTimeoutError)
+            if (ex.may_retry and connecting) or ex.fallbacks:
+                return "connect_timeout" if connecting else "timeout"
+            await _reject(ex, 504, f"worker {worker.name} did not answer in time")
+            return None
+        except aiohttp.ClientError as exc:
+            kind = _connection_error_kind(exc)
+            self._failed_before_response(worker, kind, exc)
+            if ex.may_retry or ex.fallbacks:
+                return kind
+            await _reject(ex, 502, f"worker {worker.name} is unreachable: {exc}")
+            return None
+        # Status first: an answer that is no failure costs no more than before.
+        if upstream.status in RETRY_STATUSES and (ex.may_retry or ex.fallbacks):
+            self.metrics.upstream_error(worker.id, f"upstream_{upstream.status}")
+            if upstream.status >= 500:
+                self.ejector.failure(worker.id, f"answered {upstream.status}")
+            upstream.close()
+            return f"status_{upstream.status}"
+        try:
+            await self._relay(ex, upstream)
+            return None
+        finally:
+            if ex.client_gone or not upstream.content.at_eof():
+                upstream.close()  # the connection is mid-message: never reuse it
+            else:
+                upstream.release()
+
+    async def _relay(self, ex: Exchange, upstream: aiohttp.ClientResponse) -> None:
+        worker, trace = ex.worker, ex.trace
+        status = upstream.status
+        if status >= 500:
+            self.metrics.upstream_error(worker.id, "upstream_5xx")
+            self.ejector.failure(worker.id, f"answered {status}")
+        rewriter = _usable_rewriter(ex.rewriter, upstream)
+        headers = _response_headers(upstream.raw_headers, rewriter is not None)
+        headers.append((access_log.HEADER, trace.request_id))
+        if ex.explain is not None:
+            headers.append((explain.HEADER, explain.encode(ex.explain)))
+        await ex.send({"type": "http.response.start", "status": status, "headers": headers})
+        trace.status = status
+        try:
+            if rewriter is None:
+                await _relay_body(ex, upstream.content)
+            else:
+                await _relay_body_renamed(ex, upstream.content, rewriter)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.warning("stream from %s broke: %r", worker.name, exc)
+            self.metrics.upstream_error(worker.id, "broken_stream")
+            self.ejector.failure(worker.id, f"stream broke: {type(exc).__name__}")
+            await _end_broken_stream(ex, upstream, exc)
+            return
+        if status < 500:
+            self.ejector.success(worker.id)
+        ex.answered = True
+        await ex.send({"type": "http.response.body", "body": b"", "more_body": False})
+        ex.ok = status < 500
+
+    def _failed_before_response(self, worker: WorkerView, kind: str, exc: BaseException) -> None:
+        self.metrics.upstream_error(worker.id, kind)
+        self.ejector.failure(worker.id, f"{kind}: {type(exc).__name__}")
+        # Only what says "the server is not there": a malformed answer or a bad URL is not
+        # something a health check should act on.
+        if isinstance(exc, TimeoutError | aiohttp.ClientConnectionError):
+            cause = f"{kind}: {type(exc).__name__}: {exc}"[:_CAUSE_MAX_CHARS]
+            entry = self.passive_failures.get(worker.id)
+            if entry is None:
+                self.passive_failures[worker.id] = [1, cause]
+            else:
+                entry[0] += 1
+                entry[1] = cause
 
 
-@dataclass(slots=True)
-class Forward:
-    """One placed request on its way to its worker."""
-
-    worker: WorkerView
-    body: bytes
-    policy: BasePolicy
-    request: RequestInfo
-    trace: RequestTrace
-    rewriter: ModelNameRewriter | None = None
-    # Retries before the first byte: how many are left, who was tried, and whether the
-    # attempt that just ended asks for one (and why).
-    retries_left: int = 0
-    tried: set[int] = field(default_factory=set)
-    retry: bool = False
-    retry_reason: str = ""
-
-    def ask_retry(self, reason: str) -> bool:
-        self.retry, self.retry_reason = True, reason
-        return False
-
-    def first_byte(self) -> None:
-        self.trace.first_byte = perf_counter()
-        self.policy.on_first_byte(self.worker, self.request)
+def _refusal_message(ticket: Ticket, model: str) -> str:
+    if ticket.refused == "shed":
+        return (
+            f"`{model}` is at capacity and `sheddable` requests are shed first; retry shortly "
+            "(see Retry-After) or send this request at a higher priority class"
+        )
+    return f"too many requests in flight for `{model}`; retry shortly"
 
 
-async def _relay_body(send: Send, content: aiohttp.StreamReader, forward: Forward) -> None:
+async def _receive_body(ex: Exchange, limit: int) -> bytes | None:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await ex.receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            await _reject(ex, 413, f"the request body exceeds {limit} bytes")
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _watch_disconnect(ex: Exchange, forward: asyncio.Task[Any]) -> None:
+    while True:
+        message = await ex.receive()
+        if message["type"] == "http.disconnect":
+            if not ex.answered:
+                ex.client_gone = True
+                forward.cancel()
+            return
+
+
+async def _relay_body(ex: Exchange, content: aiohttp.StreamReader) -> None:
+    send = ex.send
     # The first chunk apart, so the loop below carries no time-to-first-byte check.
     if chunk := await content.readany():
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        forward.first_byte()
+        ex.first_byte()
     while chunk := await content.readany():
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
 
 async def _relay_body_renamed(
-    send: Send, content: aiohttp.StreamReader, forward: Forward, rewriter: ModelNameRewriter
+    ex: Exchange, content: aiohttp.StreamReader, rewriter: ModelNameRewriter
 ) -> None:
+    send = ex.send
     first = True
     while chunk := await content.readany():
         if first:
-            forward.first_byte()
+            ex.first_byte()
             first = False
         if out := rewriter.feed(chunk):
             await send({"type": "http.response.body", "body": out, "more_body": True})
     if rest := rewriter.flush():
         await send({"type": "http.response.body", "body": rest, "more_body": True})
+
+
+async def _end_broken_stream(
+    ex: Exchange, upstream: aiohttp.ClientResponse, exc: BaseException
+) -> None:
+    """Headers are gone already; the honest ending is vLLM's own in-stream error event."""
+    if upstream.content_type == "text/event-stream":
+        message = f"worker {ex.worker.name} failed mid-stream: {type(exc).__name__}"
+        await ex.send(
+            {"type": "http.response.body", "body": sse_error_event(message), "more_body": True}
+        )
+    await ex.send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _usable_rewriter(
@@ -808,6 +827,44 @@ def _usable_rewriter(
         return None
     kind = upstream.content_type
     return rewriter if kind in ("application/json", "text/event-stream") else None
+
+
+async def _reject(
+    ex: Exchange,
+    status: int,
+    message: str,
+    param: str | None = None,
+    *,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """A router-made error on a model route, counted under the status it sends."""
+    ex.trace.status = status
+    headers = [*(extra_headers or ()), (access_log.HEADER, ex.trace.request_id)]
+    await respond_error(ex.send, status, message, param, extra_headers=headers)
+
+
+def _new_session(config: RouterConfig) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(
+        limit=config.max_connections,
+        limit_per_host=config.max_connections_per_worker,
+        keepalive_timeout=30,
+        ttl_dns_cache=60,
+    )
+    timeout = aiohttp.ClientTimeout(
+        total=None,
+        connect=max(config.pool_timeout, config.connect_timeout),
+        sock_connect=config.connect_timeout,
+        sock_read=config.read_timeout,
+    )
+    # auto_decompress=False and no automatic headers: the client gets exactly the
+    # bytes the worker sent, encoded the way the client asked for.
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
 
 
 async def _probe_health(session: aiohttp.ClientSession, url: str) -> tuple[bool, str]:
@@ -826,18 +883,6 @@ def _tune_garbage_collector() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
-
-
-async def _watch_disconnect(
-    receive: Receive, forward: asyncio.Task[Any], state: dict[str, bool]
-) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if not state["done"]:
-                state["gone"] = True
-                forward.cancel()
-            return
 
 
 def _connection_error_kind(exc: aiohttp.ClientError) -> str:
@@ -869,70 +914,3 @@ def _response_headers(
     # A renamed body may change length: it goes out chunked, without the worker's length.
     drop = _RESPONSE_DROP_RENAMED if renamed else RESPONSE_DROP
     return [(k, v) for k, v in raw if k.lower() not in drop]
-
-
-def _rounded(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)
-
-
-async def _respond(
-    send: Send,
-    status: int,
-    body: bytes,
-    extra_headers: list[tuple[bytes, bytes]] | None = None,
-    *,
-    content_type: bytes = _JSON,
-) -> None:
-    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
-    if extra_headers:
-        headers += extra_headers
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _respond_error(
-    send: Send,
-    status: int,
-    message: str,
-    param: str | None = None,
-    *,
-    extra_headers: list[tuple[bytes, bytes]] | None = None,
-) -> None:
-    await _respond(send, status, error_body(status, message, param=param), extra_headers)
-
-
-async def _reject(
-    send: Send,
-    trace: RequestTrace,
-    status: int,
-    message: str,
-    param: str | None = None,
-    *,
-    extra_headers: list[tuple[bytes, bytes]] | None = None,
-) -> None:
-    """A router-made error on a model route, counted under the status it sends."""
-    trace.status = status
-    headers = [*(extra_headers or ()), (access_log.HEADER, trace.request_id)]
-    await _respond_error(send, status, message, param, extra_headers=headers)
-
-
-async def _refuse(send: Send, refusal: Refusal, trace: RequestTrace | None = None) -> None:
-    """A request turned away by the client gate (routing.auth): 401, 404 or 429."""
-    status, headers = refusal.status, list(refusal.headers)
-    if trace is not None:
-        trace.status = refusal.status
-        headers.append((access_log.HEADER, trace.request_id))
-    await _respond_error(send, status, refusal.message, refusal.param, extra_headers=headers)
-
-
-def _with_request_id(send: Send, trace: RequestTrace) -> Send:
-    """`send` for the answers of the other routes: each carries the request's id, and its
-    status goes in `trace` for the access log."""
-
-    async def send_with_id(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            trace.status = message["status"]
-            message["headers"] = [*message["headers"], (access_log.HEADER, trace.request_id)]
-        await send(message)
-
-    return send_with_id

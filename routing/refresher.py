@@ -13,46 +13,21 @@ import logging
 import os
 import socket
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
+from routing.ports import RouterReport, SnapshotSource
 from routing.proxy import RouterApp
-from routing.snapshot import Snapshot
-from routing.usage import UsageBatch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 LIFE_SIGN_SECONDS = 5.0
 RECENT_WINDOW = 60.0
 USAGE_FLUSH_SECONDS = 2.0
-
-
-class SnapshotSource(Protocol):
-    def generation(self) -> int: ...
-
-    def load(self) -> Snapshot: ...
-
-    def report(
-        self,
-        *,
-        instance_id: str,
-        hostname: str,
-        pid: int,
-        started_at: float,
-        generation: int,
-        inflight: dict[int, int],
-        failures: dict[int, tuple[int, str]],
-        recent: dict[int, tuple[int, int]],
-        traffic: dict[str, dict[str, Any]],
-        ejections: list[tuple[int, str, str]],
-    ) -> bool: ...
-
-    def forget(self, *, instance_id: str) -> None: ...
-
-    def record_usage(self, *, usage: UsageBatch) -> None: ...
+# Workers' reported queues are read this often between snapshot rebuilds: one light query.
+LOAD_REPORTS_SECONDS = 1.0
 
 
 class SnapshotRefresher:
@@ -71,16 +46,18 @@ class SnapshotRefresher:
         # A rebuild at least this often, as a safety net under the generation counter.
         self.max_age = max_age
         self.report_interval = report_interval
-        self.instance_id = uuid.uuid4().hex
+        self.instance_id = router.instance_id
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self._task: asyncio.Task[None] | None = None
         self._last_report = 0.0
         self._last_reported: dict[int, int] | None = None
         self._last_traffic: dict[str, dict[str, Any]] = {}
+        self._last_classes: dict[str, dict[str, list[int]]] = {}
         self._last_generation: int | None = None
         self._totals_history: deque[tuple[float, dict[int, tuple[int, int]]]] = deque()
         self._last_error_log = 0.0
         self._last_usage_flush = 0.0
+        self._last_load_reports = 0.0
 
     async def start(self) -> None:
         await self.refresh_once()
@@ -112,6 +89,7 @@ class SnapshotRefresher:
     async def refresh_once(self) -> None:
         try:
             await self._refresh_snapshot()
+            await self._refresh_loads()
             await self._report_inflight()
             await self._flush_usage()
         except Exception as exc:  # noqa: BLE001 - any store failure must leave us serving
@@ -128,6 +106,15 @@ class SnapshotRefresher:
         if generation != current.generation or stale:
             self.router.install(await self._run(self.source.load))
 
+    async def _refresh_loads(self) -> None:
+        """New queue reports every LOAD_REPORTS_SECONDS, then the fused loads recomputed
+        (routing.fleet_sync recomputes them more often when it runs)."""
+        now = time.time()
+        if now - self._last_load_reports >= LOAD_REPORTS_SECONDS:
+            self._last_load_reports = now
+            self.router.board.add_reports(await self._run(self.source.load_reports))
+        self.router.board.refresh(now, (w.id for w in self.router.snapshot.workers))
+
     async def _report_inflight(self) -> None:
         """Report at once when the snapshot moved (a drain waits for exactly that), soon
         when in-flight counts changed, and every few seconds as a sign of life."""
@@ -136,8 +123,13 @@ class SnapshotRefresher:
         generation = self.router.snapshot.generation
         inflight = {k: v for k, v in self.router.inflight.items() if v}
         traffic = self.router.metrics.model_totals()
+        classes = self.router.admission.class_counts()
         since = now - self._last_report
-        moved = inflight != self._last_reported or traffic != self._last_traffic
+        moved = (
+            inflight != self._last_reported
+            or traffic != self._last_traffic
+            or classes != self._last_classes
+        )
         due = (
             generation != self._last_generation
             or self.router.passive_failures
@@ -150,8 +142,7 @@ class SnapshotRefresher:
         # Failed requests on real traffic go out with the next poll, so a dead worker leaves
         # the rotation within a second rather than at its next probe.
         failures = self.router.take_passive_failures()
-        self.router.exports_fleet_metrics = await self._run(
-            self.source.report,
+        report = RouterReport(
             instance_id=self.instance_id,
             hostname=socket.gethostname(),
             pid=os.getpid(),
@@ -160,10 +151,16 @@ class SnapshotRefresher:
             inflight=inflight,
             failures=failures,
             recent=self._recent_traffic(now),
+            totals=self.router.metrics.worker_totals(),
             traffic=traffic,
             ejections=[(e.worker_id, e.kind, e.message) for e in self.router.ejector.take_events()],
+            kv_events=self.router.kv_events.report(),
+            classes=classes,
+            fallbacks=[(*key, n) for key, n in self.router.metrics.fallbacks.items()],
         )
+        self.router.exports_fleet_metrics = await self._run(self.source.report, report)
         self._last_report, self._last_reported, self._last_traffic = now, inflight, traffic
+        self._last_classes = classes
         self._last_generation = generation
 
     async def _flush_usage(self, *, force: bool = False) -> None:

@@ -91,6 +91,15 @@ class SharedStore:
     def up(self) -> bool:
         return self.error is None
 
+    @property
+    def client(self) -> aioredis.Redis:
+        """The process's one connection pool, for routing.fleet_sync too."""
+        return self._client
+
+    def mark_down(self, exc: BaseException) -> None:
+        """Another user of the pool saw Redis fail: every shared thing falls back now."""
+        self._down(exc)
+
     async def admit(self, key_prefix: str, tpm: int | None, rpm: int | None) -> tuple[str, float]:
         """("tpm" | "rpm", seconds to wait) when a shared bucket refuses, ("", 0) when both
         let the request in. Raises RedisUnavailable when Redis cannot answer."""
@@ -140,12 +149,15 @@ class SharedStore:
             self._down(exc)
             return
         if self.error is not None:
-            log.warning("Redis is reachable again; rate limits are shared again")
+            log.warning("Redis is reachable again; rate limits and routing state are shared")
         self.error = None
 
     def _down(self, exc: BaseException) -> None:
         if self.error is None:
-            log.error("Redis unavailable (%s); rate limits fall back to this process", exc)
+            log.error(
+                "Redis unavailable (%s); rate limits and routing state fall back to this process",
+                exc,
+            )
         self.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
     async def close(self) -> None:

@@ -7,13 +7,14 @@ assignment, so a request always sees one consistent fleet and never waits on a d
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
 import orjson
 
+from routing import fallbacks
 from routing.aliases import AliasRoute, alias_model_entry
 from routing.auth import ClientKey
 
@@ -55,6 +56,9 @@ class WorkerView:
     state: str
     source: str
     models: tuple[ModelEntry, ...]
+    # Requests the worker itself said it holds (vLLM's running + waiting), as last read, and
+    # when (epoch seconds; None: unknown). The policies' load corrects it for what routers
+    # sent since (routing.load_signal); displays show it as it was read.
     queue_length: int | None
     last_heartbeat: float | None  # epoch seconds
     routable: bool
@@ -71,6 +75,14 @@ class WorkerView:
     gpus: tuple[GpuView, ...] = ()
     # `Authorization` value for requests to this worker (its vLLM --api-key), or None.
     upstream_authorization: str | None = field(default=None, repr=False)
+    queue_at: float | None = None  # when queue_length was read (epoch seconds)
+    # Models whose pool keeps this worker out: it differs from the pool, the model says
+    # "refuse", and no operator accepted the difference (controlpanel.fleet.preflight).
+    refused_models: frozenset[str] = frozenset()
+    # vLLM's KV cache events endpoints ("": none); every router subscribes off the request
+    # path (routing.kv_subscriber), and policies read the index it builds (routing.kv_index).
+    kv_events: str = ""
+    kv_events_replay: str = ""
 
     def heartbeat_age(self, now: float) -> float | None:
         return None if self.last_heartbeat is None else max(0.0, now - self.last_heartbeat)
@@ -85,6 +97,10 @@ class ModelRoute:
     policy_config: Mapping[str, Any]
     workers: tuple[WorkerView, ...]  # routable workers only
     max_inflight: int = 0  # per router process; 0: no limit (routing.admission)
+    tokenizer: str = ""  # a local tokenizer folder for kv_aware (routing.tokenize); "": none
+    priority_reserve: float = 0.2  # the slots share sheddable may never hold (admission)
+    # Names to move on to, in the order tried, its fallbacks' own included (routing.fallbacks).
+    fallbacks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +109,9 @@ class ServedModelInfo:
     policy: str = "shortest_queue"
     policy_config: Mapping[str, Any] = field(default_factory=dict)
     max_inflight: int = 0
+    tokenizer: str = ""
+    priority_reserve: float = 0.2
+    fallbacks: tuple[str, ...] = ()  # as configured (routing.fallbacks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +132,8 @@ class Snapshot:
     # When time alone (a heartbeat running out) may change who is routable; the refresher
     # rebuilds then even if no write announced anything.
     valid_until: float = float("inf")
+    # The deployment's identity (the registry's); routers share state under it in Redis.
+    deployment: str = ""
 
     @classmethod
     def empty(cls) -> Snapshot:
@@ -128,6 +149,8 @@ def build_snapshot(
     valid_until: float = float("inf"),
     aliases: Mapping[str, Mapping[str, int]] | None = None,
     api_keys: Iterable[ClientKey] = (),
+    deployment: str = "",
+    alias_fallbacks: Mapping[str, Sequence[str]] | None = None,
 ) -> Snapshot:
     workers = tuple(workers)
     configs = {m.name: m for m in served_models}
@@ -135,7 +158,7 @@ def build_snapshot(
     for worker in workers:
         for entry in worker.models:
             bucket = serving.setdefault(entry.id, [])
-            if worker.routable:
+            if worker.routable and entry.id not in worker.refused_models:
                 bucket.append(worker)
     routes = {
         name: ModelRoute(
@@ -146,12 +169,20 @@ def build_snapshot(
             else MappingProxyType({}),
             workers=tuple(bucket),
             max_inflight=configs[name].max_inflight if name in configs else 0,
+            tokenizer=configs[name].tokenizer if name in configs else "",
+            priority_reserve=configs[name].priority_reserve if name in configs else 0.2,
         )
         for name, bucket in serving.items()
     }
+    # An alias shadows a model of the same name, its fallbacks too.
+    graph = {name: m.fallbacks for name, m in configs.items() if m.fallbacks}
+    graph.update((name, tuple(f)) for name, f in (alias_fallbacks or {}).items() if f)
+    fallback_chains = fallbacks.chains(graph, routes.keys() | (aliases or {}).keys())
+    for name in routes.keys() & fallback_chains.keys():
+        routes[name] = replace(routes[name], fallbacks=fallback_chains[name])
     serving_now = frozenset(name for name, route in routes.items() if route.workers)
     alias_routes = {
-        name: AliasRoute.build(name, weights, serving_now)
+        name: AliasRoute.build(name, weights, serving_now, fallback_chains.get(name, ()))
         for name, weights in (aliases or {}).items()
     }
     routable_entries = _routable_model_entries(workers)
@@ -168,6 +199,7 @@ def build_snapshot(
         valid_until=valid_until,
         aliases=MappingProxyType(alias_routes),
         api_keys=MappingProxyType({k.prefix: k for k in api_keys}),
+        deployment=deployment,
     )
 
 

@@ -27,13 +27,13 @@ the totals about every two seconds and writes them to the database on its own th
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
-Message = MutableMapping[str, Any]
-Send = Callable[[Message], Awaitable[None]]
+from routing.asgi_types import Message, Send
+
 # (key id, model) -> (requests, prompt tokens, completion tokens)
 UsageBatch = dict[tuple[int, str], tuple[int, int, int]]
 
@@ -41,6 +41,7 @@ TAIL_BYTES = 16 * 1024  # a usage event is a few hundred bytes; vLLM puts few fi
 _MAX_OBJECT_TRIES = 8
 _METERED_TYPES = (b"application/json", b"text/event-stream")
 _SSE = b"text/event-stream"
+_DONE = b"data: [DONE]\n\n"
 # The routes whose streams take `stream_options.include_usage` (/v1/responses and
 # /v1/messages streams carry their usage without being asked).
 USAGE_OPTION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -123,25 +124,38 @@ class UsageTap:
 
     def wrap(self, send: Send) -> Send:
         async def tapped(message: Message) -> None:
-            if self._cutter is not None and message["type"] == "http.response.body":
-                await self._send_cut(send, self._cutter, message)
-            else:
-                await send(message)
-            if message["type"] == "http.response.start":
-                answered = 200 <= message["status"] < 300
-                if answered:
-                    self._ledger.count_request(self._key_id, self._model)
-                kind = _readable_type(message) if answered else b""
-                self._metered = kind.startswith(_METERED_TYPES)
-                if not kind.startswith(_SSE):
-                    self._cutter = None  # an error, or nothing the cutter can read
+            body = message["type"] == "http.response.body"
+            if not body:
+                self._start(message)
             elif self._metered:
-                self._feed(message.get("body", b""))
-                if not message.get("more_body", False):
+                # Counted before the client gets the bytes, and a stream at its [DONE]: a
+                # client that hangs up right after it never lets the last message through.
+                chunk = message.get("body", b"")
+                self._feed(chunk)
+                ended = not message.get("more_body", False) or chunk.endswith(_DONE)
+                if ended and self._cutter is None:
                     self._metered = False
                     self._finish()
+            if self._cutter is not None and body:
+                await self._send_cut(send, self._cutter, message)  # counts what it cut out
+                if self._metered and not message.get("more_body", False):
+                    self._metered = False
+                    self._finish()
+            else:
+                await send(message)
 
         return tapped
+
+    def _start(self, message: Message) -> None:
+        if message["type"] != "http.response.start":
+            return
+        answered = 200 <= message["status"] < 300
+        if answered:
+            self._ledger.count_request(self._key_id, self._model)
+        kind = _readable_type(message) if answered else b""
+        self._metered = kind.startswith(_METERED_TYPES)
+        if not kind.startswith(_SSE):
+            self._cutter = None  # an error, or nothing the cutter can read
 
     async def _send_cut(self, send: Send, cutter: UsageEventCutter, message: Message) -> None:
         more = message.get("more_body", False)
@@ -286,6 +300,12 @@ def find_usage(data: bytes) -> tuple[int, int] | None:
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
     return max(0, prompt), max(0, completion)
+
+
+def usage_object(data: bytes) -> dict[str, Any] | None:
+    """The last `"usage": {...}` object in `data` as parsed, or None (routing.cache_check
+    reads its prompt_tokens_details)."""
+    return _last_object_after(data, b'"usage"')
 
 
 def _last_object_after(data: bytes, name: bytes) -> dict[str, Any] | None:

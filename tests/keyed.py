@@ -10,9 +10,10 @@ import httpx
 import openai
 import pytest
 
-from controlpanel import keys, services
-from controlpanel.models import Worker
-from routing.simulator import RunningSimulator
+from controlpanel.fleet import services
+from controlpanel.keys import services as keys
+from controlpanel.registry.models import Worker
+from simulator.server import RunningSimulator
 from tests.conftest import RouterServer, start_router, stop_process, wait_until
 
 

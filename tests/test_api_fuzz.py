@@ -33,8 +33,10 @@ from schemathesis.core.transport import Response
 from schemathesis.schemas import APIOperation, BaseSchema
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from controlpanel import keys, rollouts, services
-from controlpanel.api import api
+from controlpanel.api.site import api
+from controlpanel.fleet import services
+from controlpanel.keys import services as keys
+from controlpanel.rollouts import aliases, plans
 from tests.conftest import ADMIN_HEADERS, AGENT_HEADERS, RouterServer
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -66,9 +68,9 @@ def seeded() -> dict[str, Any]:
     parameters half the cases use, so drain, heartbeat, rollout actions and deletes also
     meet real rows rather than only 404s."""
     worker = services.worker_register(url="http://127.0.0.1:9", models=["fuzz-model"])
-    rollouts.alias_create(name="fuzz-alias", targets={"fuzz-model": 100}, actor="test")
-    plan = rollouts.rollout_create(
-        request=rollouts.PlanRequest(
+    aliases.alias_create(name="fuzz-alias", targets={"fuzz-model": 100}, actor="test")
+    plan = plans.rollout_create(
+        request=plans.PlanRequest(
             alias="fuzz-alias",
             to_target="fuzz-model-2",
             start_at=timezone.now() + timedelta(days=1),

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from controlpanel.models import ApiKey, Event, EventKind
+from controlpanel.registry.models import ApiKey, Event, EventKind
 from tests import keyed
 from tests.conftest import (
     ADMIN_HEADERS,
@@ -201,7 +201,17 @@ def test_create_api_key_command_prints_a_working_key_once(
     keyed_router: RouterServer, var_dir: Path
 ) -> None:
     result = subprocess.run(
-        [sys.executable, "manage.py", "create_api_key", "ci", "--models", "m, chat", "--rpm", "5"],
+        [
+            sys.executable,
+            "manage.py",
+            "create_api_key",
+            "ci",
+            "--models",
+            "m, chat",
+            "--rpm",
+            "5",
+            "--allow-unknown-models",
+        ],
         cwd=ROOT,
         env=subprocess_env(var_dir),
         capture_output=True,

@@ -49,7 +49,7 @@ def test_shared_cache_round_trip() -> None:
 
 @pytest.mark.django_db
 def test_database_round_trip() -> None:
-    from controlpanel.models import RoutingGeneration
+    from controlpanel.registry.models import RoutingGeneration
 
     RoutingGeneration.bump()
     first = RoutingGeneration.current()

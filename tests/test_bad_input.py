@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from routing.simulator import RunningSimulator
+from simulator.server import RunningSimulator
 from tests.conftest import AddWorker, RouterServer, StartSimulator
 
 pytestmark = pytest.mark.django_db(transaction=True)

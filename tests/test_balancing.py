@@ -6,8 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from django.utils import timezone
 
-from controlpanel import services
+from controlpanel.registry import events
 from tests.conftest import AddWorker, RouterServer, StartSimulator
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -39,9 +40,9 @@ def test_reported_queue_length_steers_traffic_away(
     busy_sim, idle_sim = simulator("m"), simulator("m")
     busy = add_worker(busy_sim)
     add_worker(idle_sim)
-    busy.queue_length = 50
-    busy.save(update_fields=["queue_length"])
-    services.routing_changed()
+    busy.queue_length, busy.queue_length_at = 50, timezone.now()  # a fresh report
+    busy.save(update_fields=["queue_length", "queue_length_at"])
+    events.routing_changed()
     router.wait_for(lambda seen: seen[busy.pk]["queue_length"] == 50)
     for _ in range(10):
         assert slow_chat(router) == 200

@@ -18,8 +18,8 @@ import pytest
 from django.contrib.auth import get_user_model
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from controlpanel import services
-from controlpanel.models import Worker
+from controlpanel.fleet import services
+from controlpanel.registry.models import Worker
 from tests.conftest import (
     ROOT,
     AddWorker,
@@ -141,7 +141,7 @@ def test_operator_adds_a_keyed_worker_and_rotates_its_key(
     expect(operator.get_by_test_id("message")).to_contain_text("API key saved.")
     assert Worker.objects.get(pk=worker.pk).api_key == "wk-browser-2"
     operator.get_by_test_id("api-key-clear").click()
-    expect(operator.get_by_test_id("api-key-state")).to_contain_text("None:")
+    expect(operator.get_by_test_id("api-key-state")).to_contain_text("Not set.")
 
 
 def test_adding_something_that_is_not_vllm_says_why(operator: Page, router: RouterServer) -> None:
@@ -169,8 +169,12 @@ def test_drain_during_a_stream_then_drained(
     expect(operator.locator(f"{selector} [data-testid=inflight]")).to_have_text(
         "1", timeout=LIVE_TIMEOUT_MS
     )
+    # The only worker of m: the page asks first, naming the model and what is in flight.
+    questions: list[str] = []
+    operator.once("dialog", lambda dialog: (questions.append(dialog.message), dialog.accept()))
     operator.locator(f"{selector} [data-testid=drain]").click()
     expect(operator.locator(f"{selector} [data-testid=state]")).to_have_text("draining")
+    assert "last routable worker of m, with 1 request in flight" in questions[0]
     expect(operator.locator(f"{selector} [data-testid=inflight]")).to_have_text("1")
     streamer.join(timeout=30)
     assert events[-1] == "data: [DONE]"

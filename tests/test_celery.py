@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from controlpanel.models import Event, Worker, WorkerSource
+from controlpanel.registry.models import Event, Worker, WorkerSource
 from tests.conftest import (
     RouterServer,
     StartSimulator,
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def test_celery_marks_a_silent_agent_worker_offline(
     celery_worker: subprocess.Popen[bytes], router: RouterServer, simulator: StartSimulator
 ) -> None:
-    from controlpanel import services
+    from controlpanel.fleet import services
 
     sim = simulator("m")
     worker = services.worker_register(url=sim.url)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from bench.load import socket_inodes, tcp_table
-from controlpanel import services
-from tests.conftest import ROOT, RouterServer, free_port, stop_process, wait_until
+from bench.harness import socket_inodes, tcp_table
+from controlpanel.fleet import services
+from tests.conftest import ROOT, RouterServer, free_ports, stop_process, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -97,7 +97,7 @@ def upstream_errors(router: RouterServer, worker: str) -> float:
 def test_killing_a_worker_under_load(
     router: RouterServer, celery_worker: subprocess.Popen[bytes]
 ) -> None:
-    ports = [free_port(), free_port()]
+    ports = free_ports(2)
     sims = [start_sim(port) for port in ports]
     victim_url = f"http://127.0.0.1:{ports[0]}"
     try:

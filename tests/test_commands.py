@@ -12,8 +12,16 @@ import httpx
 import openai
 import pytest
 
-from controlpanel.models import Worker
-from tests.conftest import ROOT, RouterServer, StartSimulator, free_port, subprocess_env, wait_until
+from controlpanel.registry.models import Worker
+from tests.conftest import (
+    ROOT,
+    RouterServer,
+    StartSimulator,
+    free_port,
+    free_port_run,
+    subprocess_env,
+    wait_until,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -24,7 +32,7 @@ def children_of(pid: int) -> list[int]:
 
 
 def test_serve_demo_runs_everything_and_stops_everything(tmp_path: Path) -> None:
-    port, demo_port = free_port(), free_port()
+    port, demo_port = free_port(), free_port_run(2)
     env = subprocess_env(tmp_path, DATABASE_URL=f"sqlite:///{tmp_path / 'serve.sqlite3'}")
     log_path = tmp_path / "serve.log"
     command = [
@@ -50,7 +58,10 @@ def test_serve_demo_runs_everything_and_stops_everything(tmp_path: Path) -> None
                 return False
             return len(workers) == 2 and all(w["routable"] for w in workers)
 
-        wait_until(both_workers_routable, timeout=60, interval=0.3)
+        try:
+            wait_until(both_workers_routable, timeout=60, interval=0.3)
+        except AssertionError as exc:  # what serve printed is the only clue CI keeps
+            raise AssertionError(f"{exc}\n--- serve's output ---\n{log_path.read_text()}") from None
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
         assert {m.id for m in client.models.list()} >= {"llama-3.1-8b-instruct", "sql-lora"}
         wait_until(lambda: "chat" in {m.id for m in client.models.list()})  # the demo alias
@@ -72,6 +83,12 @@ def test_serve_demo_runs_everything_and_stops_everything(tmp_path: Path) -> None
         assert len(children) == 7
         sources = {w["source"] for w in httpx.get(f"{base}/list_workers").json()["workers"]}
         assert sources == {"agent"}
+
+        def streams_connected() -> bool:  # each engine's KV events, given by its agent
+            workers = httpx.get(f"{base}/list_workers").json()["workers"]
+            return all((w.get("kv_events") or {}).get("connected") for w in workers)
+
+        wait_until(streams_connected)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)

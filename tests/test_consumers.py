@@ -13,9 +13,9 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from controlpanel import services
 from controlpanel.asgi import application
-from controlpanel.live import publisher
+from controlpanel.console.live import publisher
+from controlpanel.fleet import services
 from tests.conftest import StartSimulator
 
 pytestmark = pytest.mark.django_db(transaction=True)

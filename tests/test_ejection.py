@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from controlpanel.models import Event, EventKind
+from controlpanel.registry.models import Event, EventKind
 from routing.ejection import Ejector
 from tests.conftest import AddWorker, RouterServer, StartSimulator, wait_until
 from tests.factories import worker_view

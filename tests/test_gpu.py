@@ -13,15 +13,15 @@ from typing import Any
 import pynvml
 import pytest
 
-from controlpanel import gpu, gpu_health
-from controlpanel.agent import Agent
-from controlpanel.gpu import MIB, NvmlReader, clean_gpus, normalize_dcgm_url, parse_dcgm
-from controlpanel.gpu_dashboard import fixed_scale_points, gpu_strip
-from controlpanel.gpu_health import DCGM, NVML, Limits, evaluate, gpu_change
-from controlpanel.models import Worker
+from controlpanel.console.gpu_dashboard import fixed_scale_points, gpu_strip
+from controlpanel.fleet import gpu, gpu_health
+from controlpanel.fleet.agent import Agent
+from controlpanel.fleet.gpu import MIB, NvmlReader, clean_gpus, normalize_dcgm_url, parse_dcgm
+from controlpanel.fleet.gpu_health import DCGM, NVML, Limits, evaluate, gpu_change
+from controlpanel.registry.models import Worker
 from routing.proxy import RouterApp
-from routing.simulated_gpus import SimulatedGpus
 from routing.snapshot import GpuView, ModelEntry, WorkerView, build_snapshot
+from simulator.gpus import SimulatedGpus
 from tests.test_metrics import parse, value
 
 GIB = 1024**3
@@ -163,7 +163,7 @@ def test_without_nvml_the_reader_says_no_gpu_once(
     fake: FakeNvml, caplog: pytest.LogCaptureFixture
 ) -> None:
     reader = NvmlReader(fake)
-    with caplog.at_level(logging.INFO, logger="controlpanel.gpu"):
+    with caplog.at_level(logging.INFO, logger="controlpanel.fleet.gpu"):
         assert [reader.read() for _ in range(3)] == [None, None, None]
     said = [r.getMessage() for r in caplog.records if "no GPU" in r.getMessage()]
     assert len(said) == 1
@@ -173,7 +173,7 @@ def test_this_machine_has_no_nvml_and_the_real_pynvml_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The real situation here: nvidia-ml-py is installed, the NVML library is not."""
-    with caplog.at_level(logging.INFO, logger="controlpanel.gpu"):
+    with caplog.at_level(logging.INFO, logger="controlpanel.fleet.gpu"):
         assert NvmlReader().read() is None
     assert "no GPU" in caplog.text
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from playwright.sync_api import Page, expect
 
-from controlpanel import services
+from controlpanel.fleet import services
 from tests.conftest import RouterServer, StartSimulator
 from tests.test_browser import browser, operator, screenshot  # noqa: F401 - fixtures
 

@@ -15,10 +15,11 @@ import httpx
 import pytest
 from django.utils import timezone
 
-from controlpanel import gpu_health, selectors, services
-from controlpanel.models import Event, Worker, WorkerSample
-from controlpanel.tasks import probe_workers
-from routing.simulator import RunningSimulator
+from controlpanel.fleet import gpu_health, services
+from controlpanel.fleet.tasks import probe_workers
+from controlpanel.registry.models import Event, Worker, WorkerSample
+from controlpanel.routers import snapshot as selectors
+from simulator.server import RunningSimulator
 from tests.conftest import (
     ADMIN_HEADERS,
     AGENT_HEADERS,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from django.contrib.auth import get_user_model
 
-from controlpanel.models import ApiKey
+from controlpanel.registry.models import ApiKey
 from tests.conftest import ROOT, RouterServer
 
 PASSWORD = "op-password-123"
@@ -65,7 +65,7 @@ def test_defaults_are_safe_and_https_makes_cookies_secure(tmp_path: Path) -> Non
 
 def test_make_run_and_serve_do_not_turn_debug_on() -> None:
     makefile = (ROOT / "Makefile").read_text()
-    serve = (ROOT / "controlpanel/management/commands/serve.py").read_text()
+    serve = (ROOT / "controlpanel/console/management/commands/serve.py").read_text()
     assert "DJANGO_DEBUG" not in makefile and "DJANGO_DEBUG" not in serve
 
 

@@ -7,8 +7,8 @@ import threading
 import httpx
 import pytest
 
-from controlpanel.agent import Agent
-from controlpanel.models import Event, Worker
+from controlpanel.fleet.agent import Agent
+from controlpanel.registry.models import Event, Worker
 from tests.conftest import (
     ADMIN_HEADERS,
     AGENT_HEADERS,
@@ -58,7 +58,13 @@ def test_add_get_drain_activate_remove(router: RouterServer, simulator: StartSim
     assert duplicate.status_code == 409
     assert duplicate.json()["error"]["type"] == "WorkerAlreadyExists"
 
-    drained = router.post(f"/api/workers/{wid}/drain", headers=ADMIN_HEADERS).json()
+    # The only worker of m: refused with the reason, unless forced.
+    refused = router.post(f"/api/workers/{wid}/drain", headers=ADMIN_HEADERS)
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"]["type"] == "LastRoutableWorker"
+    assert "last routable worker of m, lora-a (0 requests in flight)" in refused.text
+    assert "?force=1" in refused.text
+    drained = router.post(f"/api/workers/{wid}/drain?force=1", headers=ADMIN_HEADERS).json()
     assert drained["state"] in ("draining", "drained")
     router.wait_for(lambda seen: seen[wid]["state"] == "drained")
     assert (
@@ -68,7 +74,9 @@ def test_add_get_drain_activate_remove(router: RouterServer, simulator: StartSim
     router.wait_for(lambda seen: seen[wid]["routable"])
 
     assert router.get(f"/api/workers/{wid}", headers=ADMIN_HEADERS).status_code == 200
-    removed = httpx.delete(f"{router.url}/api/workers/{wid}", headers=ADMIN_HEADERS)
+    kept = httpx.delete(f"{router.url}/api/workers/{wid}", headers=ADMIN_HEADERS)
+    assert kept.status_code == 409 and "removing it leaves m, lora-a" in kept.text
+    removed = httpx.delete(f"{router.url}/api/workers/{wid}?force=1", headers=ADMIN_HEADERS)
     assert removed.status_code == 204
     assert router.get(f"/api/workers/{wid}", headers=ADMIN_HEADERS).status_code == 404
     router.wait_for(lambda seen: wid not in seen)

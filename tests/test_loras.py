@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from controlpanel.models import Event, EventKind
+from controlpanel.registry.models import Event, EventKind
 from tests.conftest import ADMIN_HEADERS, AddWorker, RouterServer, StartSimulator, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -12,9 +12,10 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlpanel.models import RoutingGeneration, ServedModel, Worker, WorkerSource
+from controlpanel.registry.models import RoutingGeneration, ServedModel, Worker, WorkerSource
+from routing.asgi_types import Message
 from routing.metrics import CONTENT_TYPE, PlainHistogram
-from routing.proxy import Message, RouterApp, RouterConfig
+from routing.proxy import RouterApp, RouterConfig
 from routing.snapshot import ModelEntry, WorkerView, build_snapshot
 from tests.conftest import AddWorker, RouterServer, StartSimulator, free_port, wait_until
 
@@ -307,22 +308,28 @@ def test_metrics_endpoint_and_router_made_statuses_in_process() -> None:
 
 @pytest.mark.django_db
 def test_only_the_longest_running_router_exports_the_fleet() -> None:
-    from datetime import timedelta
+    from datetime import datetime, timedelta
 
     from django.utils import timezone
 
-    from controlpanel import services
+    from controlpanel.registry.models import RouterInstance
+    from controlpanel.routers import reports
+    from routing.ports import RouterReport
 
     now = timezone.now()
+    # Only this test's routers: the session's router may be reporting into this database.
+    RouterInstance.objects.all().delete()
 
-    def report(instance: str, started: object) -> bool:
-        return services.router_report(
-            instance_id=instance, hostname="h", pid=1, started_at=started,  # type: ignore[arg-type]
-            generation=0, inflight={},
+    def report(instance: str, started: datetime) -> bool:
+        return reports.router_report(
+            report=RouterReport(
+                instance_id=instance, hostname="h", pid=1, started_at=started.timestamp(),
+                generation=0, inflight={},
+            )
         )  # fmt: skip
 
     assert report("old", now - timedelta(minutes=5)) is True
     assert report("new", now) is False
     assert report("old", now - timedelta(minutes=5)) is True
-    services.router_forget(instance_id="old")
+    reports.router_forget(instance_id="old")
     assert report("new", now) is True  # the exporter left: the next one takes over

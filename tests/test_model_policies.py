@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from controlpanel.models import Event, ServedModel
+from controlpanel.registry.models import Event, ServedModel
 from tests.conftest import ADMIN_HEADERS, AddWorker, RouterServer, StartSimulator
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -22,7 +22,9 @@ def test_models_api_lists_and_changes_policies(
     listed = router.get("/api/models", headers=ADMIN_HEADERS).json()
     assert listed == [
         {"name": "org/m", "policy": "shortest_queue", "policy_config": {}, "max_inflight": 0,
-         "workers": [worker.pk], "updated_at": listed[0]["updated_at"]}
+         "preflight": "warn", "tokenizer": "", "priority_reserve": 0.2, "fallbacks": [],
+         "workers": [worker.pk],
+         "updated_at": listed[0]["updated_at"]}
     ]  # fmt: skip
     assert "shortest_queue" in router.get("/api/policies", headers=ADMIN_HEADERS).json()
     changed = patch_policy(router, "org/m", {"policy": "shortest_queue", "policy_config": {}})

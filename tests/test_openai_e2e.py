@@ -5,8 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from controlpanel.models import Worker
-from routing.simulator import RunningSimulator
+from controlpanel.registry.models import Worker
+from simulator.server import RunningSimulator
 from tests.conftest import AddWorker, RouterServer, StartSimulator
 
 pytestmark = pytest.mark.django_db(transaction=True)

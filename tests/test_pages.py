@@ -6,7 +6,7 @@ import httpx
 import pytest
 from django.contrib.auth import get_user_model
 
-from controlpanel.models import Worker
+from controlpanel.registry.models import Worker
 from tests.conftest import AddWorker, RouterServer, StartSimulator
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -73,13 +73,13 @@ def test_dashboard_actions_add_drain_activate_remove(
     worker = Worker.objects.get(name="w1")
     for action, state in (("drain", "drained"), ("activate", "active")):
         response = session.post(
-            f"/workers/{worker.pk}/{action}", data={"csrfmiddlewaretoken": token}
+            f"/workers/{worker.pk}/{action}", data={"csrfmiddlewaretoken": token, "force": "1"}
         )
         assert response.status_code == 302
         router.wait_for(lambda seen, s=state: seen[worker.pk]["state"] == s)
     assert (
         session.post(
-            f"/workers/{worker.pk}/remove", data={"csrfmiddlewaretoken": token}
+            f"/workers/{worker.pk}/remove", data={"csrfmiddlewaretoken": token, "force": "1"}
         ).status_code
         == 302
     )

@@ -11,7 +11,7 @@ import os
 import random
 import subprocess
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from hashlib import shake_128
@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 
+from routing.load_signal import LoadBoard
 from routing.policies import POLICIES, make_policy, policy_class
 from routing.policies.base import BasePolicy, RequestInfo
 from routing.policies.least_kv import LeastKVPolicy
-from routing.policies.load import by_queue_length, least_loaded, load_of
+from routing.policies.load import least_loaded, load_of
 from routing.policies.load_index import REBUILD_EVERY, LoadIndex
 from routing.policies.power_of_two import PowerOfTwoPolicy
 from routing.policies.round_robin import RoundRobinPolicy
@@ -158,15 +159,34 @@ def test_good_config_is_read() -> None:
 def test_least_loaded_matches_brute_force() -> None:
     rng = random.Random(7)
     for _ in range(300):
-        workers = tuple(
-            worker(i, queue_length=rng.choice([None, 0, 1, 2, 5]))
-            for i in range(rng.randint(1, 30))
-        )
-        inflight = {w.id: rng.randint(0, 4) for w in workers if rng.random() < 0.6}
-        ordered = by_queue_length(workers)
-        expected = min(ordered, key=lambda w: load_of(w, inflight))
-        assert least_loaded(ordered, inflight) is expected
+        workers = fleet(rng.randint(1, 30))
+        loads = {w.id: rng.choice([0, 1, 2, 5]) + rng.randint(0, 4) for w in workers}
+        loads = {k: v for k, v in loads.items() if v or rng.random() < 0.5}
+        expected = min(workers, key=lambda w: load_of(w, loads))  # the first on a tie
+        assert least_loaded(workers, loads) is expected
     assert least_loaded((), NO_INFLIGHT) is None
+
+
+def test_a_reported_queue_counts_once_and_only_beyond_the_fleets_own_requests() -> None:
+    """The fused load (routing.policies.load's rule, computed by routing.load_signal)."""
+    own: defaultdict[int, int] = defaultdict(int)
+    board = LoadBoard(own, report_max_age=10.0)
+    board.refresh(100.0, [1, 2, 3])
+    board.started(1)  # this router sends one request to worker 1 at t=100
+    board.others = {1: 2, 3: 1}  # two more from other routers, one on worker 3
+    board.refresh(100.5, [1, 2, 3])
+    # Worker 1 reports 5 at t=101 (the 3 from routers + 2 from elsewhere); worker 2 reports 4
+    # (no router's); worker 3 reports 1 (the other router's one request), then goes idle.
+    board.add_reports({1: (5, 101.0), 2: (4, 101.0), 3: (1, 101.0)})
+    board.refresh(101.5, [1, 2, 3])
+    assert board.loads == {1: 5, 2: 4, 3: 1}
+    board.others = {1: 2}  # worker 3's request ended: it is idle at once, report or not
+    board.finished(1)  # and this router's own request on worker 1 ended
+    board.refresh(102.0, [1, 2, 3])
+    assert board.loads == {1: 4, 2: 4, 3: 0}
+    assert board.loads.version > 0
+    board.refresh(112.0, [1, 2, 3])  # reports stale: the routers' own counts only
+    assert board.loads == {1: 2, 2: 0, 3: 0}
 
 
 # --- the load index (big fleets) ----------------------------------------------------------
@@ -222,8 +242,8 @@ def test_shortest_queue_big_fleet_is_exactly_least_loaded() -> None:
     rng = random.Random(3)
     policy = ShortestQueuePolicy()
     policy.rng.seed(4)
-    workers = tuple(worker(i, queue_length=rng.choice([None, 0, 1, 3])) for i in range(BIG))
-    inflight: Counter[int] = Counter()
+    workers = fleet(BIG)
+    inflight: Counter[int] = Counter({w.id: rng.choice([0, 1, 3]) for w in workers})
 
     def check(chosen: WorkerView, before: list[int]) -> None:
         assert load_of(chosen, inflight) == min(before)
@@ -277,15 +297,16 @@ def test_index_notices_unseen_changes_in_time() -> None:
 @pytest.mark.parametrize("case", ["least_kv", "session_affinity"])
 def test_deterministic_fallbacks_are_the_same_on_big_fleets(case: str) -> None:
     """least_kv's fallback and session_affinity's no-key path take the least loaded, the
-    smaller queue then the earlier on a tie: through the index the very same worker."""
+    earlier on a tie: through the index the very same worker."""
     rng = random.Random(8)
     policy: BasePolicy = LeastKVPolicy() if case == "least_kv" else SessionAffinityPolicy()
-    workers = tuple(worker(i, queue_length=rng.choice([None, 0, 1, 2])) for i in range(BIG))
-    ordered = by_queue_length(workers)
-    inflight: Counter[int] = Counter({w.id: rng.randint(0, 3) for w in workers})
+    workers = fleet(BIG)
+    inflight: Counter[int] = Counter(
+        {w.id: rng.randint(0, 3) + rng.choice([0, 0, 1, 2]) for w in workers}
+    )
 
     def check(chosen: WorkerView, before: list[int]) -> None:
-        assert chosen is least_loaded(ordered, inflight)
+        assert chosen is least_loaded(workers, inflight)
 
     router_traffic(policy, workers, 3000, rng, inflight, check)
     assert policy.decisions == {"fallback" if case == "least_kv" else "no_key": 3000}
@@ -365,10 +386,13 @@ def test_power_of_two_prefers_less_loaded(via: str) -> None:
     policy = PowerOfTwoPolicy()
     policy.rng.seed(3)
     loads = {1: 10, 2: 5, 3: 0}
-    if via == "inflight":
-        workers, inflight = fleet(3), loads
-    else:
-        workers, inflight = tuple(worker(i, queue_length=n) for i, n in loads.items()), {}
+    workers = fleet(3)
+    inflight: Mapping[int, int] = loads
+    if via == "queue_length":  # reported by the workers, fused by the router's LoadBoard
+        board = LoadBoard(defaultdict(int))
+        board.add_reports({i: (n, 100.0) for i, n in loads.items()})
+        board.refresh(100.0, loads)
+        inflight = board.loads
     picked = counts(policy, workers, 3000, inflight)
     # Each of the three pairs is drawn ~1/3 of the time: the idle worker wins two pairs, the
     # middle one one pair, the busiest none.
@@ -447,17 +471,13 @@ def test_least_kv_ignores_stale_and_missing_metrics_while_any_is_fresh() -> None
 @pytest.mark.parametrize("age", [None, 60.0])
 def test_least_kv_falls_back_to_least_loaded_and_counts_it(age: float | None) -> None:
     policy = LeastKVPolicy()
-    workers = (
-        fresh(1, 0.1, age=age, queue_length=4),
-        fresh(2, None, age=age, queue_length=1),
-        fresh(3, 0.0, age=age, queue_length=1),
-        fresh(4, 0.0, age=age, queue_length=2),
-    )
-    inflight = {1: 0, 2: 1, 3: 1, 4: 0}  # loads 4, 2, 2, 2: a three-way tie
-    # Never random: the same worker (the first of the tie, in queue order) every time.
-    assert counts(policy, workers, 200, inflight) == {2: 200}
+    workers = (fresh(1, 0.1, age=age), fresh(2, None, age=age), fresh(3, 0.0, age=age))
+    workers += (fresh(4, 0.0, age=age),)
+    loads = {1: 4, 2: 2, 3: 2, 4: 2}  # a three-way tie
+    # Never random: the same worker (the first of the tie) every time.
+    assert counts(policy, workers, 200, loads) == {2: 200}
     assert policy.decisions == {"fallback": 200}
-    assert counts(policy, workers, 1, {2: 2, 3: 2}) == {4: 1}  # loads 4, 3, 3, 2
+    assert counts(policy, workers, 1, {1: 4, 2: 3, 3: 3, 4: 2}) == {4: 1}
 
 
 def test_least_kv_matches_brute_force() -> None:
@@ -476,7 +496,7 @@ def test_least_kv_matches_brute_force() -> None:
             key=lambda w: w.kv_cache_usage or 0.0,
         )
         if not candidates:
-            assert chosen is min(by_queue_length(workers), key=lambda w: load_of(w, inflight))
+            assert chosen is min(workers, key=lambda w: load_of(w, inflight))
             continue
 
         def score(
@@ -589,9 +609,9 @@ def test_session_affinity_header_is_configurable_and_case_insensitive() -> None:
 
 def test_session_affinity_without_key_takes_least_loaded() -> None:
     policy = SessionAffinityPolicy()
-    workers = (worker(1, queue_length=3), worker(2, queue_length=1), worker(3, queue_length=1))
+    workers = fleet(3)
     for request in (session(), session(""), session(user=""), session(user=None)):
-        assert policy.select(workers, request, {2: 1}) is workers[2]
+        assert policy.select(workers, request, {1: 3, 2: 2, 3: 1}) is workers[2]
     assert policy.decisions == {"no_key": 4}
 
 
@@ -604,9 +624,11 @@ def test_session_affinity_overload_moves_to_next_in_order() -> None:
     assert pick(policy, workers, session("user-42"), {first: 6}).id == second
     assert pick(policy, workers, session("user-42"), {first: 6, second: 9}).id == third
     assert policy.decisions == {"affinity": 1, "overflow": 2}
-    # The reported queue length counts too.
-    queued = tuple(replace(w, queue_length=6) if w.id == first else w for w in workers)
-    assert pick(policy, queued, session("user-42"), {}).id == second
+    # A reported queue counts too, through the router's fused loads.
+    board = LoadBoard(defaultdict(int))
+    board.add_reports({first: (6, 100.0)})
+    board.refresh(100.0, [w.id for w in workers])
+    assert pick(policy, workers, session("user-42"), board.loads).id == second
 
 
 def test_session_affinity_overload_past_the_cached_leaders() -> None:
@@ -638,9 +660,10 @@ def test_session_affinity_cache_follows_the_fleet() -> None:
     keys = KEYS[:120]
     for _ in range(40):
         present = sorted(rng.sample(ids, rng.randint(1, len(ids))))
-        workers = tuple(worker(i, queue_length=rng.randint(0, 3)) for i in present)
+        workers = tuple(worker(i, weight=rng.choice([1.0, 2.0])) for i in present)
+        queued = {i: rng.randint(0, 3) for i in present}
         for key in rng.sample(keys, 60):
-            inflight = {i: rng.randint(0, 2) for i in present}  # some overloaded
+            inflight = {i: rng.randint(0, 2) + queued[i] for i in present}  # some overloaded
             a = cached.select(workers, session(key), inflight)
             b = uncached.select(workers, session(key), inflight)
             assert a is b
@@ -656,7 +679,7 @@ def test_session_affinity_keeps_cache_across_snapshots_with_same_ids() -> None:
     top = policy.select(workers, session("k"), NO_INFLIGHT)
     assert top is not None
     refreshed = tuple(replace(w, queue_length=4) if w.id == top.id else w for w in workers)
-    moved = policy.select(refreshed, session("k"), NO_INFLIGHT)
+    moved = policy.select(refreshed, session("k"), {top.id: 4})
     assert moved is not None and moved.id != top.id  # new load figures are used
     assert "k" in policy._cache
     very_long = "x" * 1000

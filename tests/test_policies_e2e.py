@@ -10,9 +10,9 @@ import pytest
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlpanel import services
-from controlpanel.models import RoutingGeneration, Worker
-from routing.simulator import RunningSimulator
+from controlpanel.fleet import services
+from controlpanel.registry.models import RoutingGeneration, Worker
+from simulator.server import RunningSimulator
 from tests.conftest import ADMIN_HEADERS, AddWorker, RouterServer, StartSimulator, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -89,7 +89,7 @@ def test_power_of_two_avoids_the_loaded_worker(
     router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
 ) -> None:
     sims, workers = fleet(simulator, add_worker, n=2)
-    Worker.objects.filter(pk=workers[0].pk).update(queue_length=50)
+    Worker.objects.filter(pk=workers[0].pk).update(queue_length=50, queue_length_at=timezone.now())
     RoutingGeneration.bump()
     use_policy(router, "m", "power_of_two")
     router.wait_for(lambda seen: seen[workers[0].pk]["queue_length"] == 50)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from controlpanel import services
+from controlpanel.fleet import services
 from tests.conftest import StartSimulator, start_router, stop_process, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import random
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from routing.load_signal import LoadBoard
 from routing.policies.base import RequestInfo
 from routing.policies.prefix_aware import PrefixAwarePolicy
 from routing.request_text import request_text
@@ -168,11 +169,13 @@ def test_imbalance_needs_both_thresholds() -> None:
     # Both: the least loaded.
     assert ask(policy, workers, text, {0: 40, 1: 5}).id == 1
     assert policy.decisions == {"prefix": 2, "load": 1}
-    # Reported queue length counts as load too.
+    # A reported queue counts as load too, through the router's fused loads.
     queued = make()
     queued.insert(0, text)
-    loaded = [replace(workers[0], queue_length=40), workers[1]]
-    assert ask(queued, loaded, text).id == 1
+    board = LoadBoard(defaultdict(int))
+    board.add_reports({0: (40, 100.0)})
+    board.refresh(100.0, [0, 1])
+    assert ask(queued, workers, text, board.loads).id == 1
     assert queued.decisions == {"load": 1}
     # Thresholds are configurable.
     strict = make({"balance_abs_threshold": 2, "balance_rel_threshold": 1.5})
@@ -471,8 +474,8 @@ def test_a_new_snapshot_tuple_is_read_afresh() -> None:
     policy.insert(0, text)
     assert ask(policy, first, text + " a").id == 0
     # The next snapshot: worker 0 reports a long queue, worker 1 is gone, worker 2 is new.
-    second = (replace(first[0], queue_length=100), replace(first[1], id=2, name="w2"))
-    assert ask(policy, second, text + " b").id == 2
+    second = (replace(first[0], weight=2.0), replace(first[1], id=2, name="w2"))
+    assert ask(policy, second, text + " b", {0: 100}).id == 2
     assert ask(policy, first, text + " c").id == 0  # and back
 
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
+from unittest.mock import ANY
 
 import httpx
 import pytest
@@ -22,8 +23,9 @@ from aiohttp import web
 from django.utils import timezone
 from pytest_django.fixtures import Settings as SettingsWrapper
 
-from controlpanel import health, probes, selectors, services
-from controlpanel.models import (
+from controlpanel.fleet import health, probes, services
+from controlpanel.fleet.tasks import probe_workers
+from controlpanel.registry.models import (
     Event,
     RoutingGeneration,
     ServedModel,
@@ -31,7 +33,7 @@ from controlpanel.models import (
     WorkerSample,
     WorkerSource,
 )
-from controlpanel.tasks import probe_workers
+from controlpanel.routers import snapshot as selectors
 from tests.conftest import (
     AddWorker,
     RouterServer,
@@ -304,6 +306,7 @@ def test_first_probe_has_load_but_no_rates() -> None:
         "ttft_p50": None,
         "ttft_p95": None,
         "rps": None,
+        "vllm_series": ANY,  # vLLM's own series, kept for the router (test_vllm_metrics.py)
     }
     assert reading.counters["at"] == 1000.0
     assert reading.counters["prefix_queries"] == 1_800_000
@@ -538,18 +541,21 @@ def test_healthy_worker_metrics_samples_and_deltas(simulator: StartSimulator) ->
         "ttft_p50": None,
         "ttft_p95": None,
         "rps": None,
+        "vllm_series": ANY,
     }
+    assert "vllm:num_requests_running" in first.metrics["vllm_series"]
     assert first.queue_length == 0
     assert first.last_probe_at is not None and first.last_error == ""
     assert first.scrape_state["prefix_queries"] == 0
 
-    # The same 4-block prompt twice: the second finds all 4 blocks in the prefix cache.
+    # The same 4-block prompt twice: the second finds 3 of its 4 blocks in the prefix cache
+    # (as in vLLM, the last prompt token is always computed, so its block is never reused).
     prompt = " ".join(f"word{i}" for i in range(64))
     complete(sim.url, "m", prompt)
     complete(sim.url, "m", prompt)
     probe_workers()
     second = fresh(worker)
-    assert second.metrics["prefix_hit_rate"] == pytest.approx(0.5)
+    assert second.metrics["prefix_hit_rate"] == pytest.approx(3 / 8)
     p50, p95 = second.metrics["ttft_p50"], second.metrics["ttft_p95"]
     assert p50 is not None and p95 is not None and 0 < p50 <= p95 < 1.0
     assert second.metrics["rps"] > 0
@@ -558,7 +564,7 @@ def test_healthy_worker_metrics_samples_and_deltas(simulator: StartSimulator) ->
     samples = list(WorkerSample.objects.filter(worker=worker))
     assert [s.up for s in samples] == [True, True]
     assert samples[0].prefix_hit_rate is None
-    assert samples[1].prefix_hit_rate == pytest.approx(0.5)
+    assert samples[1].prefix_hit_rate == pytest.approx(3 / 8)
     assert samples[1].running == 0 and samples[1].waiting == 0
     assert samples[1].ttft_p50 == pytest.approx(p50)
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from routing.simulator import RunningSimulator
+from simulator.server import RunningSimulator
 from tests.conftest import AddWorker, RouterServer, StartSimulator, free_port
 from tests.test_policies_e2e import use_policy
 from tests.test_router_errors import fake_worker, resetting_server  # noqa: F401 - fixture

@@ -10,9 +10,16 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from controlpanel import gates, rollouts
-from controlpanel.models import Alias, Event, EventKind, RolloutPlan, RouterInstance, Worker
-from controlpanel.services import InvalidTransition
+from controlpanel.registry.errors import InvalidTransition
+from controlpanel.registry.models import (
+    Alias,
+    Event,
+    EventKind,
+    RolloutPlan,
+    RouterInstance,
+    Worker,
+)
+from controlpanel.rollouts import aliases, clock, gates, plans, transitions
 from routing.metrics import GATE_TTFT_BUCKETS
 from tests.conftest import ADMIN_HEADERS
 
@@ -23,6 +30,9 @@ STEPS = ({"weight": 10, "hold_seconds": 60}, {"weight": 100, "hold_seconds": 0})
 
 @pytest.fixture
 def fleet() -> None:
+    # Only this test's reports: the session's router (when a test before this one started it)
+    # reports into the same database, and the rollback would wait for it.
+    RouterInstance.objects.all().delete()
     for i, model in enumerate(("v1", "v1", "v2")):
         Worker.objects.create(
             url=f"http://10.0.0.{i}:8000",
@@ -30,14 +40,14 @@ def fleet() -> None:
             source="operator",
             models=[{"id": model}],
         )
-    rollouts.alias_create(name="chat", targets={"v1": 100}, actor="test")
+    aliases.alias_create(name="chat", targets={"v1": 100}, actor="test")
 
 
 def plan_now(**changes: Any) -> RolloutPlan:
-    request = rollouts.PlanRequest(
+    request = plans.PlanRequest(
         alias="chat", to_target="v2", steps=STEPS, min_requests=20, **changes
     )
-    return rollouts.rollout_create(request=request, actor="test")
+    return plans.rollout_create(request=request, actor="test")
 
 
 def report(instance: str, generation: int, **models: tuple[int, int, float]) -> None:
@@ -62,7 +72,7 @@ def report(instance: str, generation: int, **models: tuple[int, int, float]) -> 
 
 
 def generation() -> int:
-    from controlpanel.models import RoutingGeneration
+    from controlpanel.registry.models import RoutingGeneration
 
     return RoutingGeneration.current()
 
@@ -77,7 +87,7 @@ def test_a_plan_starts_at_its_first_step(fleet: None) -> None:
 
 def test_preflight_refuses_a_target_without_healthy_workers(fleet: None) -> None:
     Worker.objects.filter(name="w2").update(state="unhealthy")
-    with pytest.raises(rollouts.PreflightFailed, match="no healthy worker serves `v2`"):
+    with pytest.raises(plans.PreflightFailed, match="no healthy worker serves `v2`"):
         plan_now()
     assert not RolloutPlan.objects.exists()
     assert not Event.objects.filter(kind=EventKind.ROLLOUT).exists()  # nothing half-made
@@ -86,24 +96,24 @@ def test_preflight_refuses_a_target_without_healthy_workers(fleet: None) -> None
 
 def test_one_running_plan_per_alias(fleet: None) -> None:
     plan_now()
-    with pytest.raises(rollouts.PreflightFailed, match="is running on `chat`"):
+    with pytest.raises(plans.PreflightFailed, match="is running on `chat`"):
         plan_now(from_target="v1")
 
 
 def test_invalid_steps_are_refused() -> None:
-    with pytest.raises(rollouts.InvalidPlan, match="rise"):
-        rollouts.steps_clean([{"weight": 50}, {"weight": 20}, {"weight": 100}])
-    with pytest.raises(rollouts.InvalidPlan, match="last step"):
-        rollouts.steps_clean([{"weight": 50}])
+    with pytest.raises(plans.InvalidPlan, match="rise"):
+        plans.steps_clean([{"weight": 50}, {"weight": 20}, {"weight": 100}])
+    with pytest.raises(plans.InvalidPlan, match="last step"):
+        plans.steps_clean([{"weight": 50}])
 
 
 def test_gates_pass_only_after_the_hold_and_enough_requests(fleet: None) -> None:
     plan = plan_now()
     report("r1", generation(), v1=(0, 0, 0.02), v2=(0, 0, 0.02))
-    assert rollouts.rollouts_tick() == 0  # baseline taken now
+    assert clock.rollouts_tick() == 0  # baseline taken now
     report("r1", generation(), v1=(200, 0, 0.02), v2=(25, 0, 0.021))
     later = timezone.now() + timedelta(seconds=61)
-    assert rollouts.rollouts_tick(later) == 1
+    assert clock.rollouts_tick(later) == 1
     plan.refresh_from_db()
     assert plan.step_index == 1 and plan.history[0]["new"]["requests"] == 25
     assert plan.reference_ttft_p95 is not None
@@ -112,9 +122,9 @@ def test_gates_pass_only_after_the_hold_and_enough_requests(fleet: None) -> None
 def test_an_error_gate_rolls_back_at_once(fleet: None) -> None:
     plan = plan_now()
     report("r1", generation(), v1=(0, 0, 0.02), v2=(0, 0, 0.02))
-    rollouts.rollouts_tick()
+    clock.rollouts_tick()
     report("r1", generation(), v1=(200, 0, 0.02), v2=(30, 6, 0.02))
-    rollouts.rollouts_tick()
+    clock.rollouts_tick()
     plan.refresh_from_db()
     # No live router lags behind the rollback's generation... except r1, which reported an
     # older one: the plan waits in rolling_back until it routes with the old weights.
@@ -122,7 +132,7 @@ def test_an_error_gate_rolls_back_at_once(fleet: None) -> None:
     assert "error rate 20.0%" in plan.reason
     assert Alias.objects.get(name="chat").targets == {"v1": 100}
     report("r1", generation(), v1=(200, 0, 0.02), v2=(30, 6, 0.02))
-    rollouts.rollouts_tick()
+    clock.rollouts_tick()
     plan.refresh_from_db()
     assert plan.state == "rolled_back"
     event = Event.objects.filter(kind=EventKind.ROLLOUT, data__to="rolling_back").get()
@@ -132,9 +142,9 @@ def test_an_error_gate_rolls_back_at_once(fleet: None) -> None:
 def test_a_slow_new_version_fails_the_latency_gate(fleet: None) -> None:
     plan = plan_now()
     report("r1", generation(), v1=(0, 0, 0.02), v2=(0, 0, 0.02))
-    rollouts.rollouts_tick()
+    clock.rollouts_tick()
     report("r1", generation(), v1=(200, 0, 0.02), v2=(30, 0, 0.2))
-    rollouts.rollouts_tick()
+    clock.rollouts_tick()
     plan.refresh_from_db()
     assert plan.state in ("rolling_back", "rolled_back")
     assert "time to first token" in plan.reason
@@ -143,9 +153,9 @@ def test_a_slow_new_version_fails_the_latency_gate(fleet: None) -> None:
 def test_traffic_before_a_router_applies_the_step_is_not_counted(fleet: None) -> None:
     plan_now()
     report("r1", generation() - 1, v2=(50, 50, 0.02))  # still on the old snapshot
-    rollouts.rollouts_tick()
+    clock.rollouts_tick()
     report("r1", generation(), v2=(50, 50, 0.02))  # now routing with the step's weights
-    rollouts.rollouts_tick()
+    clock.rollouts_tick()
     plan = RolloutPlan.objects.get()
     assert plan.state == "running"
     assert plan.last_check["new"]["requests"] == 0
@@ -156,48 +166,48 @@ def test_pause_keeps_the_remaining_hold(fleet: None) -> None:
     RolloutPlan.objects.filter(pk=plan.pk).update(
         step_started_at=timezone.now() - timedelta(seconds=45)
     )
-    plan = rollouts.rollout_action(plan_id=plan.pk, action="pause", actor="test")
+    plan = transitions.rollout_action(plan_id=plan.pk, action="pause", actor="test")
     assert plan.state == "paused" and 14 < (plan.paused_remaining or 0) <= 15
-    assert rollouts.rollouts_tick(timezone.now() + timedelta(hours=1)) == 0  # paused: no clock
-    plan = rollouts.rollout_action(plan_id=plan.pk, action="resume", actor="test")
+    assert clock.rollouts_tick(timezone.now() + timedelta(hours=1)) == 0  # paused: no clock
+    plan = transitions.rollout_action(plan_id=plan.pk, action="resume", actor="test")
     assert plan.state == "running" and 14 < (plan.hold_left() or 0) <= 15
 
 
 def test_illegal_transitions_are_refused(fleet: None) -> None:
     plan = plan_now()
     with pytest.raises(InvalidTransition, match="cannot resume"):
-        rollouts.rollout_action(plan_id=plan.pk, action="resume", actor="test")
-    rollouts.rollout_action(plan_id=plan.pk, action="advance", actor="test")
-    plan = rollouts.rollout_action(plan_id=plan.pk, action="advance", actor="test")
+        transitions.rollout_action(plan_id=plan.pk, action="resume", actor="test")
+    transitions.rollout_action(plan_id=plan.pk, action="advance", actor="test")
+    plan = transitions.rollout_action(plan_id=plan.pk, action="advance", actor="test")
     assert plan.state == "completed"
-    for action in rollouts.ACTIONS:
+    for action in transitions.ACTIONS:
         with pytest.raises(InvalidTransition):
-            rollouts.rollout_action(plan_id=plan.pk, action=action, actor="test")
+            transitions.rollout_action(plan_id=plan.pk, action=action, actor="test")
 
 
 def test_two_workers_cannot_both_claim_a_step(fleet: None) -> None:
     plan = plan_now()
     stale = RolloutPlan.objects.get(pk=plan.pk)
-    rollouts.rollout_action(plan_id=plan.pk, action="advance", actor="worker-1")
+    transitions.rollout_action(plan_id=plan.pk, action="advance", actor="worker-1")
     with pytest.raises(InvalidTransition, match="changed meanwhile"):
-        rollouts._next_step(stale, "worker-2", "duplicate")
+        transitions.next_step(stale, "worker-2", "duplicate")
     assert RolloutPlan.objects.get(pk=plan.pk).step_index == 1
 
 
 def test_abort_holds_the_weights_and_rollback_restores_them(fleet: None) -> None:
     plan = plan_now()
-    plan = rollouts.rollout_action(plan_id=plan.pk, action="abort", actor="test")
+    plan = transitions.rollout_action(plan_id=plan.pk, action="abort", actor="test")
     assert plan.state == "aborted"
     assert Alias.objects.get(name="chat").targets == {"v1": 90, "v2": 10}
-    plan = rollouts.rollout_action(plan_id=plan.pk, action="rollback", actor="test")
+    plan = transitions.rollout_action(plan_id=plan.pk, action="rollback", actor="test")
     assert plan.state == "rolled_back"  # no live router to wait for
     assert Alias.objects.get(name="chat").targets == {"v1": 100}
 
 
 def test_completion_drains_the_old_workers(fleet: None) -> None:
     plan = plan_now(drain_old=True)
-    rollouts.rollout_action(plan_id=plan.pk, action="advance", actor="test")
-    plan = rollouts.rollout_action(plan_id=plan.pk, action="advance", actor="test")
+    transitions.rollout_action(plan_id=plan.pk, action="advance", actor="test")
+    plan = transitions.rollout_action(plan_id=plan.pk, action="advance", actor="test")
     assert plan.state == "completed"
     assert Alias.objects.get(name="chat").targets == {"v2": 100}
     states = dict(Worker.objects.values_list("name", "state"))
@@ -208,9 +218,9 @@ def test_a_scheduled_plan_waits_then_checks_again(fleet: None) -> None:
     start = timezone.now() + timedelta(minutes=5)
     plan = plan_now(start_at=start)
     assert plan.state == "scheduled"
-    assert rollouts.rollouts_tick() == 0
+    assert clock.rollouts_tick() == 0
     Worker.objects.filter(name="w2").update(state="drained")
-    rollouts.rollouts_tick(start + timedelta(seconds=1))
+    clock.rollouts_tick(start + timedelta(seconds=1))
     plan.refresh_from_db()
     assert plan.state == "aborted" and "no healthy worker" in plan.reason
 

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from playwright.sync_api import Page, expect
 
-from controlpanel.models import Alias
+from controlpanel.registry.models import Alias
 from tests.conftest import AddWorker, RouterServer, StartSimulator
 from tests.test_browser import browser, operator, screenshot  # noqa: F401 - fixtures
 from tests.traffic import SteadyTraffic

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from controlpanel.models import Event, EventKind, Worker
-from routing.simulator import RunningSimulator
+from controlpanel.registry.models import Event, EventKind, Worker
+from simulator.server import RunningSimulator
 from tests.conftest import (
     ADMIN_HEADERS,
     AddWorker,
@@ -313,7 +313,7 @@ def test_a_restart_mid_plan_resumes_where_it_was(
 
 
 def plan_state_db(plan_id: int) -> dict[str, Any]:
-    from controlpanel.models import RolloutPlan
+    from controlpanel.registry.models import RolloutPlan
 
     plan = RolloutPlan.objects.get(pk=plan_id)
     return {"state": plan.state, "step": plan.step_index + 1}

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from controlpanel.models import RoutingGeneration, ServedModel, Worker, WorkerSource
+from controlpanel.registry.models import RoutingGeneration, ServedModel, Worker, WorkerSource
 from routing.proxy import RouterApp
 from tests.conftest import AddWorker, RouterServer, StartSimulator, free_port, wait_until
 
@@ -203,7 +203,7 @@ def test_failed_requests_take_a_dead_worker_out_of_rotation(router: RouterServer
 def test_error_rate_on_the_dashboard_comes_from_real_traffic(
     router: RouterServer, simulator: StartSimulator, add_worker: AddWorker
 ) -> None:
-    from controlpanel import dashboard
+    from controlpanel.console import dashboard
 
     good = add_worker(simulator("m"))
     bad = fake_worker(f"http://127.0.0.1:{free_port()}")

@@ -12,11 +12,11 @@ from django.apps import apps
 from django.db import connection
 from django.test import override_settings
 
-from controlpanel import sealed
-from controlpanel.models import Worker
+from controlpanel.registry import sealed
+from controlpanel.registry.models import Worker
 
 pytestmark = pytest.mark.django_db
-migration = importlib.import_module("controlpanel.migrations.0009_seal_worker_keys")
+migration = importlib.import_module("controlpanel.registry.migrations.0009_seal_worker_keys")
 KEY = "wk-2b6e0d91c4"
 
 

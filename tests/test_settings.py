@@ -11,7 +11,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from controlpanel import envconf
-from controlpanel.models import normalize_worker_url
+from controlpanel.registry.models import normalize_worker_url
 from tests.conftest import ROOT
 
 BAD_VALUES = [

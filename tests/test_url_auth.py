@@ -29,8 +29,10 @@ PUBLIC = {
     "/api/openapi.json",
     "/api/docs",
     "/api/",
+    "/favicon.ico",  # a redirect to the static icon
+    "/metrics/control-plane",  # for Prometheus, open like the routers' /metrics: no secret
 }
-PUBLIC_STATUS = {"/admin/logout/": 302, "/api/": 404}
+PUBLIC_STATUS = {"/admin/logout/": 302, "/api/": 404, "/favicon.ico": 301}
 AGENT_CALLS = {
     ("POST", "/api/workers/register"),
     ("POST", "/api/workers/1/heartbeat"),

@@ -15,8 +15,8 @@ import orjson
 import pytest
 from django.contrib.auth import get_user_model
 
-from controlpanel import keys
-from controlpanel.models import ApiKey, KeyUsage
+from controlpanel.keys import services as keys
+from controlpanel.registry.models import ApiKey, KeyUsage
 from routing.auth import TokenBucket
 from routing.usage import (
     MAX_USAGE_EVENT,
@@ -180,6 +180,31 @@ def test_a_tap_that_cuts_reads_the_usage_and_relays_the_rest() -> None:
     error = b'{"error":{"message":"bad"},"choices":[],"usage":{}}'
     _, _, sent = _tap_run([error], [(b"content-type", b"application/json")], 400, cut=True)
     assert sent[1]["body"] == error
+
+
+def test_a_stream_that_asked_for_its_usage_is_counted_though_the_client_left_at_done() -> None:
+    """The client asked for usage itself (nothing is cut) and hung up right after [DONE]: the
+    send of [DONE] fails and the stream's last message never comes; the tokens still count,
+    and before [DONE] leaves."""
+    sse = [(b"content-type", b"text/event-stream")]
+    ledger, charged = UsageLedger(), []
+    charged_when_done: list[list[int]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if b"[DONE]" in message.get("body", b""):
+            charged_when_done.append(list(charged))
+            raise OSError("the client hung up")
+
+    async def run() -> None:
+        tapped = UsageTap(ledger, 1, "m", charged.append).wrap(send)
+        await tapped({"type": "http.response.start", "status": 200, "headers": sse})
+        for event in STREAM_EVENTS:
+            await tapped({"type": "http.response.body", "body": event, "more_body": True})
+
+    with pytest.raises(OSError):
+        asyncio.run(run())
+    assert charged_when_done == [[5]]
+    assert ledger.take() == {(1, "m"): (1, 3, 2)}
 
 
 def _asked(body: bytes, path: str = "/v1/chat/completions") -> bytes | None:

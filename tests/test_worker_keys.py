@@ -10,9 +10,9 @@ import openai
 import pytest
 from django.conf import settings
 
-from controlpanel import health
-from controlpanel.agent import Agent
-from controlpanel.models import Event, EventKind, Worker, WorkerState
+from controlpanel.fleet import health
+from controlpanel.fleet.agent import Agent
+from controlpanel.registry.models import Event, EventKind, Worker, WorkerState
 from tests import keyed
 from tests.conftest import (
     ADMIN_HEADERS,

@@ -1,4 +1,17 @@
-"""Policies registered by name; adding one touches this table and its own module only."""
+"""The balancing policies: which of a model's routable workers gets the next request.
+
+What lives here: base.py, the one small interface (a synchronous `select` plus hooks that do
+nothing by default); one module per policy; load.py and load_index.py, the load measure and
+index the load-based policies share; and, in this file, the table that registers each
+policy by name, so adding one touches this table and its own module only.
+
+What it may import: the standard library, routing.snapshot (the WorkerViews it chooses
+among), routing.request_text and routing.kv_index (kv_aware's exact index: plain data the
+router's KV event subscriber fills, read here without I/O). A policy is a pure function of
+the snapshot, the request and the router's in-flight counts: no I/O and nothing to await,
+nothing from routing.proxy or any other routing module, and nothing from Django or
+controlpanel.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +32,7 @@ POLICIES: dict[str, str] = {
     "least_kv": "routing.policies.least_kv.LeastKVPolicy",
     "session_affinity": "routing.policies.session_affinity.SessionAffinityPolicy",
     "prefix_aware": "routing.policies.prefix_aware.PrefixAwarePolicy",
+    "kv_aware": "routing.policies.kv_aware.KvAwarePolicy",
 }
 DEFAULT_POLICY = "shortest_queue"
 

@@ -1,13 +1,31 @@
-"""Small helpers the load-based policies share: a worker's load and config checking.
+"""A worker's load, the one rule every load-based policy uses, and config checking.
 
-A worker's load is what shortest_queue uses too: the requests this router has in flight on
-it plus the queue length the worker last reported, so a worker kept busy by another router
-still looks busy. Only the in-flight part changes between snapshots, and it never goes below
-zero, so a list ordered once per snapshot by reported queue length lets `least_loaded` stop
-scanning as soon as no later worker can beat the best one found: on an idle fleet that is
-the first worker, whatever the fleet's size; on a fleet where every worker has requests in
-flight it is every worker, which is why big fleets ask a routing.policies.load_index
-`LoadIndex` instead.
+The load of a worker
+--------------------
+Every load-based policy (shortest_queue, power_of_two, prefix_aware's guard and misses,
+least_kv's fallback and tie-breaker, session_affinity's overload check) reads one number per
+worker from the ``loads`` mapping the router passes it (routing.load_signal computes it):
+
+    fleet    = requests in flight on the worker in every router of the deployment, now:
+               this router's own count (exact, live) + the other routers' (shared through
+               Redis by routing.fleet_sync, at most about 100 ms old; none without Redis,
+               or while Redis is down)
+    reported = the worker's own count of requests it holds (vLLM's running + waiting), as
+               its last probe or agent heartbeat read it, at time t
+    load     = fleet + max(0, reported - fleet(t))    when the report is fresh
+    load     = fleet                                   when it is stale or missing
+
+``fleet(t)`` is the routers' count at the moment of the report (each router keeps a short
+history of it), so the difference is the work the routers did not send, or that the worker
+still holds after they stopped counting it (other clients, requests queued at the engine),
+counted once, while every request a router sends or finishes moves the load at once. A
+report is fresh for CONTROLPANEL_LOAD_REPORT_MAX_AGE seconds (two probe intervals and one
+more second by default). Two faults of the old rule (router in flight + reported queue) are
+gone: the routers' own requests are no longer counted twice, and a worker that went idle
+after its last report no longer looks busy until the next one (its excess over the fleet's
+count was zero then, and the fleet's count fell with it).
+
+Given plain counts (tests, benchmarks), a policy treats them as loads: ``{worker id: n}``.
 """
 
 from __future__ import annotations
@@ -19,31 +37,24 @@ from typing import Any
 from routing.snapshot import WorkerView
 
 
-def load_of(worker: WorkerView, inflight: Mapping[int, int]) -> int:
-    """Router in-flight count plus the worker's reported queue length (unknown counts 0).
-    `inflight.get`, not `[]`: the router's dict is a defaultdict and must not grow here."""
-    return inflight.get(worker.id, 0) + (worker.queue_length or 0)
+def load_of(worker: WorkerView, loads: Mapping[int, int]) -> int:
+    """The worker's load (the rule above; unknown counts 0). `loads.get`, not `[]`: the
+    router's mapping must not grow here."""
+    return loads.get(worker.id, 0)
 
 
-def by_queue_length(workers: Sequence[WorkerView]) -> tuple[WorkerView, ...]:
-    """`workers` ordered by reported queue length (stable), for `least_loaded`; built once
-    per snapshot, not per request."""
-    return tuple(sorted(workers, key=lambda w: w.queue_length or 0))
-
-
-def least_loaded(ordered: Sequence[WorkerView], inflight: Mapping[int, int]) -> WorkerView | None:
-    """The least loaded of `ordered` (which must come from `by_queue_length`); ties go to the
-    earlier one, so the choice is deterministic. Stops once a worker's queue length alone
-    reaches the best load so far: in-flight counts cannot make any later worker lighter."""
+def least_loaded(workers: Sequence[WorkerView], loads: Mapping[int, int]) -> WorkerView | None:
+    """The least loaded of `workers`; ties go to the earlier one, so the choice is
+    deterministic. Stops at a worker with no load: nothing later can beat it."""
     best: WorkerView | None = None
     best_load = 0
-    for worker in ordered:
-        queued = worker.queue_length or 0
-        if best is not None and queued >= best_load:
-            break
-        load = inflight.get(worker.id, 0) + queued
+    get = loads.get
+    for worker in workers:
+        load = get(worker.id, 0)
         if best is None or load < best_load:
             best, best_load = worker, load
+            if not load:
+                break
     return best
 
 

@@ -1,7 +1,7 @@
 """The least loaded worker of a big fleet without looking at every worker.
 
-A worker's load is the requests this router has in flight on it plus the queue length it
-last reported (routing.policies.load). Finding the least loaded by a scan costs a pass over
+A worker's load is what the router's ``loads`` mapping says (the rule is in
+routing.policies.load). Finding the least loaded by a scan costs a pass over
 every worker; from INDEX_MIN_WORKERS (128) workers on, a policy can ask a `LoadIndex`
 instead: a lazy min-heap of ``(load, tie key, position, version)`` entries, one current entry
 per worker, so a decision costs O(log n) plus the entries it finds out of date.
@@ -12,8 +12,10 @@ How it stays right
   for a tuple the second time in a row it is passed (the first decision scans, as a policy
   does below the threshold), and kept while it is passed again: a one-off tuple in between
   (a retry's, an admission subset's, one made per request while a worker is ejected) is
-  scanned and never costs a build. A new ``inflight`` mapping object also means a rebuild:
-  the router always passes the same live dict.
+  scanned and never costs a build. A new ``loads`` mapping object also means a rebuild:
+  the router always passes the same live dict. So does a new ``loads.version``
+  (routing.load_signal moves it when its periodic refresh changed loads behind the hooks'
+  backs: another router's requests, a new report), so falls are seen within a refresh.
 * The router changes in-flight counts around the policy's hooks (+1 just before
   `on_request_start`, -1 just before `on_request_complete`); the hooks call `touch`, and the
   next decision re-pushes those workers with their live load (a new version; the old entry
@@ -33,10 +35,10 @@ entry is pushed (at a build, and after each change of its load, each pick and ea
 not independent draws, though, as a scan's `random.choice` is: a key that has survived
 earlier decisions is likely a large one, so a worker re-keyed since (picked, or back down
 from a higher load) is more likely than the others to come next. Without an `rng`, ties go
-to the smaller reported queue length, then to the earlier in the list: `least_loaded`'s order.
+to the earlier in the list: `least_loaded`'s order.
 
 Costs at 1,000 workers (CPython 3.11, bench/decision_cost.py's machine): reading a new
-tuple's ids and queues about 0.13 ms and a build about 0.2 ms (once per snapshot tuple, and
+tuple's ids about 0.13 ms and a build about 0.2 ms (once per snapshot tuple, and
 a build per 256 decisions: under 1 µs a decision amortised), a decision a few µs.
 """
 
@@ -46,7 +48,7 @@ import random
 from collections.abc import Mapping, Sequence
 from heapq import heapify, heappop, heappush, heapreplace
 from itertools import repeat
-from operator import add, attrgetter
+from operator import attrgetter
 
 from routing.snapshot import WorkerView
 
@@ -54,7 +56,6 @@ INDEX_MIN_WORKERS = 128  # below this, policies scan: exact, and already a few �
 REBUILD_EVERY = 256  # decisions over the index between rebuilds: bounds unseen decreases
 
 _ID = attrgetter("id")
-_QUEUE = attrgetter("queue_length")
 # (load, tie key, position in the tuple, version); the position is unique, so versions
 # are never compared.
 _Entry = tuple[int, float, int, int]
@@ -63,7 +64,7 @@ _Entry = tuple[int, float, int, int]
 class LoadIndex:
     """A lazy min-heap of worker loads for one policy instance (see the module docstring).
 
-    Use: ``if index.use(workers, inflight):`` then `least`, `min_load` or `least_tied` for
+    Use: ``if index.use(workers, loads):`` then `least`, `min_load` or `least_tied` for
     this decision (positions in `workers`), and `touch(worker_id)` from the policy's
     on_request_start and on_request_complete hooks."""
 
@@ -79,9 +80,9 @@ class LoadIndex:
         self._random = rng.random if rng is not None else None
         self._workers: tuple[WorkerView, ...] | None = None  # the indexed tuple
         self._seen: tuple[WorkerView, ...] | None = None  # passed once, indexed if it returns
-        self._inflight: Mapping[int, int] | None = None
+        self._loads_seen: Mapping[int, int] | None = None
         self._ids: list[int] = []
-        self._queues: list[int] = []
+        self._loads_version = -1
         self._pos: dict[int, int] = {}
         self._heap: list[_Entry] = []
         self._versions: list[int] = []
@@ -89,7 +90,7 @@ class LoadIndex:
         self._countdown = 0
         self.builds = 0  # for tests and the curious
 
-    def use(self, workers: Sequence[WorkerView], inflight: Mapping[int, int]) -> bool:
+    def use(self, workers: Sequence[WorkerView], loads: Mapping[int, int]) -> bool:
         """True when this decision over `workers` goes through the index (brought up to
         date here); False when the caller should scan: a small fleet, a list, or a tuple
         passed for the first time."""
@@ -100,15 +101,16 @@ class LoadIndex:
                 self._seen = workers
                 return False
             self._fleet(workers)
-            self._build(inflight)
+            self._build(loads)
         elif (
-            inflight is not self._inflight
+            loads is not self._loads_seen
+            or getattr(loads, "version", 0) != self._loads_version
             or self._countdown <= 0
             or len(self._heap) + len(self._dirty) > len(self._ids) + 2 * self.rebuild_every
         ):
-            self._build(inflight)
+            self._build(loads)
         elif self._dirty:
-            self._refresh(inflight)
+            self._refresh(loads)
         self._seen = None  # "in a row": another tuple in between starts the count again
         self._countdown -= 1
         return True
@@ -118,84 +120,84 @@ class LoadIndex:
         if self._workers is not None:
             self._dirty.add(worker_id)
 
-    def least(self, inflight: Mapping[int, int]) -> int:
+    def least(self, loads: Mapping[int, int]) -> int:
         """The position of a least loaded worker (ties as the module docstring says); it
         gets a fresh entry at the next decision, since it is about to get a request."""
-        at = self._top(inflight)[2]
+        at = self._top(loads)[2]
         self._dirty.add(self._ids[at])
         return at
 
-    def min_load(self, inflight: Mapping[int, int]) -> int:
+    def min_load(self, loads: Mapping[int, int]) -> int:
         """The least load of any worker."""
-        return self._top(inflight)[0]
+        return self._top(loads)[0]
 
-    def least_tied(self, inflight: Mapping[int, int], limit: int) -> list[int]:
+    def least_tied(self, loads: Mapping[int, int], limit: int) -> list[int]:
         """Positions of up to `limit` workers tied at the least load, in tie-key order. With
         an rng they are a random sample of the tied ones, and they go back with fresh random
         keys: a caller that picks among them by some other measure (prefix_aware: the
         smallest tree) would otherwise leave the ones it passes over at the front, and
         every later sample would be made of them."""
         heap, taken = self._heap, list[_Entry]()
-        low = self._top(inflight)[0]
+        low = self._top(loads)[0]
         while len(taken) < limit:
             taken.append(heappop(heap))
-            if not heap or self._top(inflight)[0] != low:
+            if not heap or self._top(loads)[0] != low:
                 break
         for load, tie, at, version in taken:  # still current and right
             heappush(heap, (load, self._random() if self._random else tie, at, version))
         return [entry[2] for entry in taken]
 
-    def _top(self, inflight: Mapping[int, int]) -> _Entry:
+    def _top(self, loads: Mapping[int, int]) -> _Entry:
         """The heap's first current entry whose load is still the live one. Terminates:
         every worker always has one current entry, and one re-pushed here is right."""
-        heap, versions, ids, queues = self._heap, self._versions, self._ids, self._queues
+        heap, versions, ids = self._heap, self._versions, self._ids
         while True:
             entry = heap[0]
             load, _, at, version = entry
             if version != versions[at]:
                 heappop(heap)  # superseded by a later push
                 continue
-            live = inflight.get(ids[at], 0) + queues[at]
+            live = loads.get(ids[at], 0)
             if live == load:
                 return entry
             versions[at] = version + 1  # changed without a hook: re-push, look again
             heapreplace(heap, (live, self._tie(at), at, version + 1))
 
     def _tie(self, at: int) -> float:
-        return self._random() if self._random is not None else self._queues[at]
+        return self._random() if self._random is not None else 0.0
 
     def _fleet(self, workers: tuple[WorkerView, ...]) -> None:
-        """Per tuple: ids, queue lengths and id -> position."""
+        """Per tuple: ids and id -> position."""
         self._workers = workers
         self._ids = list(map(_ID, workers))
-        self._queues = [q or 0 for q in map(_QUEUE, workers)]
         self._pos = {worker_id: at for at, worker_id in enumerate(self._ids)}
 
-    def _build(self, inflight: Mapping[int, int]) -> None:
+    def _build(self, loads: Mapping[int, int]) -> None:
         """Every worker's entry afresh, from the live loads."""
-        ids, queues = self._ids, self._queues
-        loads = list(map(add, map(inflight.get, ids, repeat(0)), queues))
+        ids = self._ids
+        now = list(map(loads.get, ids, repeat(0)))
         if self._random is not None:
             draw = self._random
             ties: list[float] = [draw() for _ in ids]
         else:
-            ties = list(map(float, queues))
-        self._heap = list(zip(loads, ties, range(len(ids)), repeat(0)))
+            ties = [0.0] * len(ids)
+        self._heap = list(zip(now, ties, range(len(ids)), repeat(0)))
         heapify(self._heap)
         self._versions = [0] * len(ids)
         self._dirty.clear()
-        self._inflight = inflight
+        self._loads_seen = loads
+        self._loads_version = getattr(loads, "version", 0)
         self._countdown = self.rebuild_every
         self.builds += 1
 
-    def _refresh(self, inflight: Mapping[int, int]) -> None:
+    def _refresh(self, loads: Mapping[int, int]) -> None:
         """A new entry, with the live load, for every worker the hooks touched."""
-        heap, versions, queues, pos = self._heap, self._versions, self._queues, self._pos
+        heap, versions, pos = self._heap, self._versions, self._pos
         for worker_id in self._dirty:
             at = pos.get(worker_id)
             if at is None:  # a worker of another list (a retry's, one that left)
                 continue
             version = versions[at] = versions[at] + 1
-            load = inflight.get(worker_id, 0) + queues[at]
+            load = loads.get(worker_id, 0)
             heappush(heap, (load, self._tie(at), at, version))
         self._dirty.clear()

@@ -8,8 +8,7 @@ it keeps an approximate picture of them: for each worker, the prompts recently s
 
 The rule (SGLang's `cache_aware`, with a per-worker load guard; among the workers given)
 --------------------------------------------------------------------------------------
-Load is in-flight requests on this router plus the worker's reported queue length, as in
-shortest_queue.
+Load is routing.policies.load's fused signal, as in shortest_queue: the same in every router.
 
 1. Find the worker whose recent prompts share the longest prefix with this one. If the
    match covers at least ``cache_threshold`` of the prompt, the candidate is that worker
@@ -45,12 +44,16 @@ entries age out), and prompts are matched by chunks rather than character by cha
 How prompts are remembered
 --------------------------
 The prompt text (routing.request_text; computed here from the body if the proxy did not
-pass it) is cut into chunks at fixed offsets: ``chunk_chars`` characters each for the first
-``chunk_doubling`` chunks, then twice as long for the next ``chunk_doubling``, and so on.
-Chunk *i* gets a chained hash naming the whole prefix up to its end: the running sum of
-``hash((i, chunk_i))`` (siphash of the text; two different prefixes share a sum with odds
-of about 2**-64), the way vLLM chains each block's hash to its parent's. A short last chunk
-is hashed too, so a repeated short prompt matches whole.
+pass it), as UTF-8, is cut into chunks at fixed offsets: ``chunk_chars`` bytes each for the
+first ``chunk_doubling`` chunks, then twice as long for the next ``chunk_doubling``, and so
+on (for English text a byte is a character). Chunk *i* gets a chained hash naming the whole
+prefix up to its end: CRC-32 and Adler-32 of the prefix, each carried over from the chunk
+before (zlib's running checksums, C speed), side by side in one 64-bit key, the way vLLM
+chains each block's hash to its parent's. The hash is the same in every process (Python's
+own hash() is salted per process), so routers can share what they learned
+(routing.fleet_sync); a collision needs both checksums to agree, which a false prefix match
+of this index, an approximate one, can live with. A short last chunk is hashed too, so a
+repeated short prompt matches whole.
 
 A worker's "tree" is an OrderedDict of chained hashes in least-recently-used order.
 Crediting a prompt appends its new chunks deepest first, then moves the chunks the worker
@@ -148,6 +151,14 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     workers that left the list drain and are dropped. Set it near how long the workers'
     caches keep an idle prefix.
 
+Sharing between routers
+-----------------------
+With several routers (routing.fleet_sync), each decision's (worker, chain) is also put in
+`outbox` when the router set one, and the router publishes them in batches; every other
+router credits them with `credit()`, as if it had routed the prompt itself, so all build the
+same picture of the workers' caches. `shape` names the chunking, and a credit made with
+another shape (a config change reaching routers a moment apart) is ignored.
+
 Not thread-safe: one router process decides on one event loop. No I/O. `insert()` credits
 a prompt to a worker (benchmarks, tests); `match()`, `tree_size()` and `entries` inspect.
 `on_request_complete` keeps the credit even for a failed request (SGLang does too): the
@@ -162,11 +173,12 @@ import time
 from bisect import bisect_left
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from itertools import accumulate, compress, count, islice, repeat
-from operator import add, attrgetter, eq, is_not
+from itertools import compress, count, islice, repeat
+from operator import attrgetter, eq, is_not
 from typing import Any
+from zlib import adler32, crc32
 
-from routing.policies.base import BasePolicy, RequestInfo
+from routing.policies.base import BasePolicy, Explanation, Prediction, RequestInfo
 from routing.policies.load_index import LoadIndex
 from routing.request_text import request_text
 from routing.snapshot import WorkerView
@@ -186,7 +198,6 @@ _DEFAULTS: dict[str, float] = {
 _MARKS_PER_AGE = 32  # a new time mark once the newest is max_age_s / 32 old
 _SWEEP_BASE = 32  # entries a decision may sweep beyond its own chunk count
 _ID = attrgetter("id")
-_QUEUE = attrgetter("queue_length")
 
 
 class _Mark:
@@ -259,58 +270,67 @@ class PrefixAwarePolicy(BasePolicy):
         self._ends: list[int] = []
         self._slices: list[slice] = []
         # The last worker tuple seen (the router passes its snapshot's until the next swap),
-        # with its ids, queue lengths and id -> position: per-snapshot work done once.
+        # with its ids and id -> position: per-snapshot work done once.
         self._fleet: Sequence[WorkerView] | None = None
         self._fleet_ids: list[int] = []
-        self._fleet_queues: list[int] = []
         self._fleet_pos: dict[int, int] = {}
+        # (worker id, chain) of each decision, for other routers (routing.fleet_sync);
+        # None: nobody listens, nothing is kept.
+        self.outbox: list[tuple[int, list[int]]] | None = None
+        self.shape = f"{self.chunk_chars}/{self.chunk_doubling}"
+        self._chained_bytes = 0  # the UTF-8 length of the text _chain last cut
         self._index = LoadIndex(self._rng)  # the least loaded, from 128 workers
 
     # -- the decision ---------------------------------------------------------------------
 
     def select(
-        self, workers: Sequence[WorkerView], request: RequestInfo, inflight: Mapping[int, int]
+        self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
     ) -> WorkerView | None:
         if not workers:
             return None
         now = float(self._clock())
         text = request.text if request.text is not None else request_text(request.body)
-        ids, queues, pos = self._fleet_of(workers)
+        ids, pos = self._fleet_of(workers)
         # Below 128 workers every load, once; from 128 on (the tuple's second decision on)
-        # the index answers for the least loaded, and only candidates' loads are read.
-        index = self._index if self._index.use(workers, inflight) else None
-        loads = None
+        # the index answers for the least loaded, and only candidates' scanned are read.
+        index = self._index if self._index.use(workers, loads) else None
+        scanned = None
         if index is None:
-            loads = list(map(add, map(inflight.get, ids, repeat(0)), queues))
+            scanned = list(map(loads.get, ids, repeat(0)))
         hashes = self._chain(text)
         held: int | None = None  # chunks of this prompt the chosen worker holds, if known
         if not hashes:
-            reason, at = "load", self._lightest(loads, inflight)
+            reason, at = "load", self._lightest(scanned, loads)
         else:
             depth, holders, trees = self._match(hashes, pos)
-            matched = min(self._ends[depth - 1], len(text)) if depth else 0
-            if depth and matched >= self.cache_threshold * len(text):
+            length = self._chained_bytes
+            matched = min(self._ends[depth - 1], length) if depth else 0
+            if depth and matched >= self.cache_threshold * length:
                 reason, held = "prefix", depth
                 if len(holders) > 1:
                     holders = self._holding(hashes[depth - 1], holders, trees)[0]
                 at = pos[holders[0]]
                 if len(holders) > 1:
                     spots = [pos[h] for h in holders]
-                    at = spots[self._least([inflight.get(ids[i], 0) + queues[i] for i in spots])]
-                low = min(loads) if loads is not None else self._index.min_load(inflight)
-                if self._overloaded(inflight.get(ids[at], 0) + queues[at], low):
-                    reason, held, at = "load", None, self._lightest(loads, inflight)
-            elif loads is not None:
-                reason, at = "miss", self._least(loads, ids=ids)
+                    at = spots[self._least([loads.get(ids[i], 0) for i in spots])]
+                low = min(scanned) if scanned is not None else self._index.min_load(loads)
+                if self._overloaded(loads.get(ids[at], 0), low):
+                    reason, held, at = "load", None, self._lightest(scanned, loads)
+            elif scanned is not None:
+                reason, at = "miss", self._least(scanned, ids=ids)
             else:
-                reason, at = "miss", self._smallest_tree(self._index.least_tied(inflight, 8), ids)
+                reason, at = "miss", self._smallest_tree(self._index.least_tied(loads, 8), ids)
         chosen = workers[at]
         self.decisions[reason] += 1
+        self.last_decision = reason
         if index is not None:
             index.touch(chosen.id)
         budget = _SWEEP_BASE + len(hashes)
         if hashes:
+            held = self._predict(request, chosen.id, hashes, held)
             self._insert(chosen.id, hashes, now, held)
+            if self.outbox is not None:
+                self.outbox.append((chosen.id, hashes))
             self._sweep(chosen.id, now, budget)  # its stale head cannot outgrow its inserts
         if not self._sweep_queue:  # and one tree in turn, so idle and departed ones drain
             self._sweep_queue = list(self._trees)
@@ -324,28 +344,37 @@ class PrefixAwarePolicy(BasePolicy):
     def on_request_complete(self, worker: WorkerView, request: RequestInfo, ok: bool) -> None:
         self._index.touch(worker.id)
 
-    def _fleet_of(
-        self, workers: Sequence[WorkerView]
-    ) -> tuple[list[int], list[int], dict[int, int]]:
-        """Ids, queue lengths (None as 0) and id -> position of `workers`; cached while the
-        same tuple comes back (a tuple of frozen WorkerViews cannot change)."""
+    def _fleet_of(self, workers: Sequence[WorkerView]) -> tuple[list[int], dict[int, int]]:
+        """Ids and id -> position of `workers`; cached while the same tuple comes back (a
+        tuple of frozen WorkerViews cannot change)."""
         if workers is self._fleet:
-            return self._fleet_ids, self._fleet_queues, self._fleet_pos
+            return self._fleet_ids, self._fleet_pos
         ids = list(map(_ID, workers))
-        queues = [q or 0 for q in map(_QUEUE, workers)]
         pos = dict(zip(ids, count()))
         if isinstance(workers, tuple):  # holding it also keeps its id() from being reused
             self._fleet = workers
-            self._fleet_ids, self._fleet_queues, self._fleet_pos = ids, queues, pos
-        return ids, queues, pos
+            self._fleet_ids, self._fleet_pos = ids, pos
+        return ids, pos
+
+    def _predict(
+        self, request: RequestInfo, worker_id: int, hashes: list[int], held: int | None
+    ) -> int:
+        """Note the share of the prompt the chosen worker holds (routing.cache_check checks
+        it against the answer); returns the chunks it holds, so crediting need not look."""
+        if held is None:
+            tree = self._trees.get(worker_id)
+            held = _held_depth(tree, hashes, 0) if tree is not None else 0
+        matched = min(self._ends[held - 1], self._chained_bytes) if held else 0
+        self.last_prediction = Prediction(request, worker_id, None, matched / self._chained_bytes)
+        return held
 
     def _overloaded(self, load: int, low: int) -> bool:
         """The load guard: `load` is past both thresholds over the least loaded's `low`."""
         return load - low > self.balance_abs_threshold and load > self.balance_rel_threshold * low
 
-    def _lightest(self, loads: list[int] | None, inflight: Mapping[int, int]) -> int:
-        """The position of a least loaded worker: from `loads`, or the index's (None)."""
-        return self._least(loads) if loads is not None else self._index.least(inflight)
+    def _lightest(self, scanned: list[int] | None, loads: Mapping[int, int]) -> int:
+        """The position of a least loaded worker: from `scanned`, or the index's (None)."""
+        return self._least(scanned) if scanned is not None else self._index.least(loads)
 
     def _least(self, keys: list[int], *, ids: list[int] | None = None) -> int:
         """The index of the least of `keys` (loads); ties go to the smallest tree when the
@@ -369,14 +398,19 @@ class PrefixAwarePolicy(BasePolicy):
 
     def _chain(self, text: str) -> list[int]:
         """The chained hash of every chunk of `text`, in order (the last one may be short)."""
-        n = len(text)
+        data = memoryview(text.encode("utf-8", "surrogatepass"))
+        n = self._chained_bytes = len(data)
         if not n:
             return []
         if not self._ends or self._ends[-1] < n:
             self._grow_chunks(n)
         m = bisect_left(self._starts, n)  # chunks that start inside the text
-        pieces = map(text.__getitem__, self._slices[:m])
-        return list(accumulate(map(hash, zip(count(), pieces))))
+        chain: list[int] = []
+        crc, adler = 0, 1
+        for piece in map(data.__getitem__, self._slices[:m]):
+            crc, adler = crc32(piece, crc), adler32(piece, adler)
+            chain.append(crc << 32 | adler)
+        return chain
 
     def _grow_chunks(self, n: int) -> None:
         starts, ends, slices = self._starts, self._ends, self._slices
@@ -517,6 +551,47 @@ class PrefixAwarePolicy(BasePolicy):
         if not self._sizes[worker_id]:
             del self._trees[worker_id], self._marks[worker_id], self._sizes[worker_id]
 
+    # -- explaining, read-only -----------------------------------------------------------
+
+    def explain(
+        self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
+    ) -> Explanation:
+        """Each worker's matched prefix (bytes of this prompt its tree holds), load and tree
+        size, best match first; and the rule above applied to them, crediting nothing."""
+        text = request.text if request.text is not None else request_text(request.body)
+        hashes = self._chain(text)
+        length = self._chained_bytes
+        rows = []
+        for worker in workers:
+            tree = self._trees.get(worker.id)
+            depth = _held_depth(tree, hashes, 0) if tree is not None and hashes else 0
+            matched = min(self._ends[depth - 1], length) if depth else 0
+            rows.append((matched, loads.get(worker.id, 0), worker))
+        rows.sort(key=lambda r: (-r[0], r[1]))
+        decision, chosen = self._would_choose(rows, length)
+        shown = [
+            {"worker": w.name, "matched_bytes": m, "prompt_bytes": length, "load": load,
+             "tree_size": self._sizes.get(w.id, 0)}
+            for m, load, w in rows
+        ]  # fmt: skip
+        return Explanation(decision, chosen, shown)
+
+    def _would_choose(
+        self, rows: list[tuple[int, int, WorkerView]], length: int
+    ) -> tuple[str, WorkerView | None]:
+        if not rows:
+            return "load", None
+        low = min(load for _, load, _ in rows)
+        lightest = min(rows, key=lambda r: (r[1], self._sizes.get(r[2].id, 0)))[2]
+        best = rows[0]
+        if not length:
+            return "load", lightest
+        if not best[0] or best[0] < self.cache_threshold * length:
+            return "miss", lightest
+        if self._overloaded(best[1], low):
+            return "load", lightest
+        return "prefix", best[2]
+
     # -- for benchmarks, tests and the curious --------------------------------------------
 
     def insert(self, worker_id: int, text: str) -> None:
@@ -526,8 +601,8 @@ class PrefixAwarePolicy(BasePolicy):
             self._insert(worker_id, hashes, float(self._clock()), None)
 
     def match(self, text: str, worker_ids: Sequence[int]) -> tuple[int, list[int]]:
-        """(characters matched, the workers among `worker_ids` that hold that prefix, in the
-        order given). Read-only: it neither credits nor refreshes anything."""
+        """(bytes matched (characters, for ASCII text), the workers among `worker_ids` that
+        hold that prefix, in the order given). Read-only: it credits and refreshes nothing."""
         hashes = self._chain(text)
         if not hashes:
             return 0, []
@@ -537,7 +612,15 @@ class PrefixAwarePolicy(BasePolicy):
             return 0, []
         holders = self._holding(hashes[depth - 1], holders, trees)[0]
         holders.sort(key=pos.__getitem__)
-        return min(self._ends[depth - 1], len(text)), holders
+        return min(self._ends[depth - 1], self._chained_bytes), holders
+
+    def credit(self, worker_id: int, chain: list[int], shape: str) -> bool:
+        """Credit a prompt another router sent to `worker_id` (its chain, made with chunking
+        `shape`), as if routed here; False when the shapes differ and nothing was done."""
+        if shape != self.shape or not chain:
+            return False
+        self._insert(worker_id, chain, float(self._clock()), None)
+        return True
 
     def tree_size(self, worker_id: int) -> int:
         """Entries (chunks) remembered for a worker, stale ones not swept yet included."""

@@ -18,13 +18,14 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from routing.policies.base import BasePolicy, RequestInfo
+from routing.policies.base import BasePolicy, Explanation, RequestInfo
 from routing.policies.load import no_config
 from routing.snapshot import WorkerView
 
 
 class RoundRobinPolicy(BasePolicy):
     name = "round_robin"
+    default_decision = "turn"
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
@@ -36,7 +37,7 @@ class RoundRobinPolicy(BasePolicy):
         self._last_id: int | None = None
 
     def select(
-        self, workers: Sequence[WorkerView], request: RequestInfo, inflight: Mapping[int, int]
+        self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
     ) -> WorkerView | None:
         if workers is not self._workers or len(workers) != self._size:
             self._index(workers)
@@ -46,6 +47,21 @@ class RoundRobinPolicy(BasePolicy):
         worker = self._ordered[i if i < len(self._ordered) else 0]
         self._last_id = worker.id
         return worker
+
+    def explain(
+        self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
+    ) -> Explanation:
+        """Whose turn it is, and the order after it (loads shown, not used)."""
+        ordered = sorted(workers, key=lambda w: w.id)
+        if not ordered:
+            return Explanation(self.default_decision, None, [])
+        last = self._last_id
+        i = 0 if last is None else bisect_right([w.id for w in ordered], last) % len(ordered)
+        turns = ordered[i:] + ordered[:i]
+        rows = [
+            {"worker": w.name, "turn": n, "load": loads.get(w.id, 0)} for n, w in enumerate(turns)
+        ]
+        return Explanation(self.default_decision, turns[0], rows)
 
     def _index(self, workers: Sequence[WorkerView]) -> None:
         """Once per snapshot: the workers by id, for the binary search."""

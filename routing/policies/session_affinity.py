@@ -38,11 +38,11 @@ skips the ids not given, and the cache below stays valid.
 
 Load
 ----
-A worker whose load (in-flight from this router + reported queue length) is above `max_load`
+A worker whose load (routing.policies.load: the same for every router) is above `max_load`
 is passed over for the next worker in the key's order that is not; if every worker is above
 it, the least loaded takes the request (the higher-ranked on a tie). A request without a
-session key goes to the least loaded worker (the smaller reported queue, then the earlier in
-the list on a tie; no randomness): a scan below 128 workers, a `LoadIndex` from 128 on (the
+session key goes to the least loaded worker (the earlier in the list on a tie; no
+randomness): a scan below 128 workers, a `LoadIndex` from 128 on (the
 same answer while only this policy's requests change its workers' in-flight counts; see
 routing.policies.load_index).
 
@@ -74,8 +74,8 @@ from operator import sub
 from struct import Struct
 from typing import Any
 
-from routing.policies.base import BasePolicy, RequestInfo
-from routing.policies.load import by_queue_length, check_keys, integer, least_loaded, load_of
+from routing.policies.base import BasePolicy, Explanation, RequestInfo
+from routing.policies.load import check_keys, integer, least_loaded, load_of
 from routing.policies.load_index import LoadIndex
 from routing.snapshot import WorkerView
 
@@ -100,7 +100,6 @@ class SessionAffinityPolicy(BasePolicy):
         self._workers: Sequence[WorkerView] | None = None
         self._size = 0
         self._by_id: dict[int, WorkerView] = {}
-        self._by_queue: tuple[WorkerView, ...] = ()
         self._loads = LoadIndex()  # for requests without a key, from 128 workers
         # The ring: every point twice (the second time + 2**64, so a probe past the last
         # point walks on without wrapping), sorted, and the worker id owning each.
@@ -110,7 +109,7 @@ class SessionAffinityPolicy(BasePolicy):
         self._cache: dict[str, tuple[int, ...]] = {}  # session key -> its leaders' ids
 
     def select(
-        self, workers: Sequence[WorkerView], request: RequestInfo, inflight: Mapping[int, int]
+        self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
     ) -> WorkerView | None:
         if workers is not self._workers or len(workers) != self._size:
             self._index(workers)
@@ -119,9 +118,10 @@ class SessionAffinityPolicy(BasePolicy):
         key = self.session_key(request)
         if key is None:
             self.decisions["no_key"] += 1
-            if self._loads.use(workers, inflight):
-                return workers[self._loads.least(inflight)]
-            return least_loaded(self._by_queue, inflight)
+            self.last_decision = "no_key"
+            if self._loads.use(workers, loads):
+                return workers[self._loads.least(loads)]
+            return least_loaded(workers, loads)
         ranks = self._cache.get(key) or self._leaders(key)
         by_id, max_load = self._by_id, self.max_load
         first = True
@@ -129,17 +129,41 @@ class SessionAffinityPolicy(BasePolicy):
             worker = by_id.get(worker_id)
             if worker is None:  # not given (gone, ejected, tried): the next one's turn
                 continue
-            if inflight.get(worker_id, 0) + (worker.queue_length or 0) <= max_load:
-                self.decisions["affinity" if first else "overflow"] += 1
+            if loads.get(worker_id, 0) <= max_load:
+                self.last_decision = "affinity" if first else "overflow"
+                self.decisions[self.last_decision] += 1
                 return worker
             first = False
-        return self._overflow(key, inflight)
+        return self._overflow(key, loads)
 
     def on_request_start(self, worker: WorkerView, request: RequestInfo) -> None:
         self._loads.touch(worker.id)
 
     def on_request_complete(self, worker: WorkerView, request: RequestInfo, ok: bool) -> None:
         self._loads.touch(worker.id)
+
+    def explain(
+        self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
+    ) -> Explanation:
+        """The session's ranking of the workers (rank 0 is its own) with their loads and
+        whether each is over max_load; without a key, the loads."""
+        key = self.session_key(request)
+        if key is None:
+            told = super().explain(workers, request, loads)
+            return Explanation("no_key", least_loaded(workers, loads), told.candidates)
+        ranked = self.ranking(workers, key)
+        rows = [
+            {"worker": w.name, "rank": n, "load": loads.get(w.id, 0),
+             "over_max_load": loads.get(w.id, 0) > self.max_load}
+            for n, w in enumerate(ranked)
+        ]  # fmt: skip
+        below = [w for w in ranked if loads.get(w.id, 0) <= self.max_load]
+        if below:
+            chosen = below[0]
+        else:
+            low = min(loads.get(w.id, 0) for w in ranked)
+            chosen = next(w for w in ranked if loads.get(w.id, 0) == low)
+        return Explanation("affinity" if chosen is ranked[0] else "overflow", chosen, rows)
 
     def session_key(self, request: RequestInfo) -> str | None:
         """The configured header's value, else the body's `user`; None when neither is set."""
@@ -191,11 +215,11 @@ class SessionAffinityPolicy(BasePolicy):
                     return
             heapreplace(walks, (points[at + 1] - probe, at + 1, probe))
 
-    def _overflow(self, key: str, inflight: Mapping[int, int]) -> WorkerView:
+    def _overflow(self, key: str, loads: Mapping[int, int]) -> WorkerView:
         """Every remembered leader is overloaded or not given (rare): the next worker in
         the key's order at or under max_load; if none is, the least loaded, the
         higher-ranked on a tie. Both are the first in order at or under a bar."""
-        loads = {worker_id: load_of(w, inflight) for worker_id, w in self._by_id.items()}
+        loads = {worker_id: load_of(w, loads) for worker_id, w in self._by_id.items()}
         bar = max(self.max_load, min(loads.values()))
         top: int | None = None
         for worker_id in self._order(key):
@@ -205,7 +229,8 @@ class SessionAffinityPolicy(BasePolicy):
             if top is None:
                 top = worker_id
             if load <= bar:
-                self.decisions["affinity" if worker_id == top else "overflow"] += 1
+                self.last_decision = "affinity" if worker_id == top else "overflow"
+                self.decisions[self.last_decision] += 1
                 return self._by_id[worker_id]
         raise AssertionError("unreachable: every worker given is on the ring")
 
@@ -215,7 +240,6 @@ class SessionAffinityPolicy(BasePolicy):
         the ids on it not given outnumber those given (by more than 8)."""
         self._workers, self._size = workers, len(workers)
         self._by_id = {w.id: w for w in workers}
-        self._by_queue = by_queue_length(workers)
         given = self._by_id.keys()
         if given and (not given <= self._ring_ids or len(self._ring_ids) > 2 * len(given) + 8):
             self._build_ring(given)

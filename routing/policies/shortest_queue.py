@@ -1,8 +1,9 @@
 """Shortest queue: the worker with the least work, ties broken at random.
 
-A worker's load is the requests this router has in flight on it plus the queue length
-the worker last reported (heartbeat or probe), so a worker kept busy by another router
-still looks busy. Random tie-breaking spreads a burst over equally idle workers instead of
+A worker's load is routing.policies.load's: the requests every router has in flight on it,
+plus what it reported beyond them while its report is fresh, so a worker kept busy by
+another router or another client looks busy, and one that went idle looks idle at once.
+Random tie-breaking spreads a burst over equally idle workers instead of
 piling it on the first one in the list.
 
 Cost: below 128 workers (routing.policies.load_index.INDEX_MIN_WORKERS) a decision scans
@@ -33,14 +34,14 @@ class ShortestQueuePolicy(BasePolicy):
         self._index = LoadIndex(self.rng)
 
     def select(
-        self, workers: Sequence[WorkerView], request: RequestInfo, inflight: Mapping[int, int]
+        self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
     ) -> WorkerView | None:
-        if self._index.use(workers, inflight):
-            return workers[self._index.least(inflight)]
+        if self._index.use(workers, loads):
+            return workers[self._index.least(loads)]
         best: list[WorkerView] = []
         best_load = 0
         for worker in workers:
-            load = inflight.get(worker.id, 0) + (worker.queue_length or 0)
+            load = loads.get(worker.id, 0)
             if not best or load < best_load:
                 best, best_load = [worker], load
             elif load == best_load:

@@ -22,13 +22,14 @@ from collections.abc import Mapping, Sequence
 from itertools import accumulate
 from typing import Any
 
-from routing.policies.base import BasePolicy, RequestInfo
+from routing.policies.base import BasePolicy, Explanation, RequestInfo
 from routing.policies.load import no_config
 from routing.snapshot import WorkerView
 
 
 class WeightedRandomPolicy(BasePolicy):
     name = "random"
+    default_decision = "weighted"
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
@@ -41,7 +42,7 @@ class WeightedRandomPolicy(BasePolicy):
         self._total = 0.0
 
     def select(
-        self, workers: Sequence[WorkerView], request: RequestInfo, inflight: Mapping[int, int]
+        self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
     ) -> WorkerView | None:
         if workers is not self._workers or len(workers) != self._size:
             self._index(workers)
@@ -51,6 +52,19 @@ class WeightedRandomPolicy(BasePolicy):
         i = bisect_right(self._cumulative, self.rng.random() * self._total)
         # random() < 1, but float rounding can land exactly on the total: clamp.
         return drawn[i if i < len(drawn) else -1]
+
+    def explain(
+        self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
+    ) -> Explanation:
+        """Each worker's weight (its odds); the draw itself is random."""
+        total = sum(w.weight for w in workers if w.weight > 0 and math.isfinite(w.weight))
+        rows = [
+            {"worker": w.name, "weight": w.weight,
+             "share": round(w.weight / total, 3) if total and w.weight > 0 else 0.0,
+             "load": loads.get(w.id, 0)}
+            for w in sorted(workers, key=lambda w: -w.weight)
+        ]  # fmt: skip
+        return Explanation(self.default_decision, None, rows)
 
     def _index(self, workers: Sequence[WorkerView]) -> None:
         """Once per snapshot: the drawable workers and their running weight totals."""

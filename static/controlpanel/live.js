@@ -48,7 +48,8 @@
   var status = document.getElementById("live-status");
   var plansBody = document.getElementById("rollout-rows");
   var plansPanel = document.getElementById("rollout-panels");
-  if (!status || !(tbody || plansBody || plansPanel)) return;
+  var eventRows = document.getElementById("event-rows");
+  if (!status || !(tbody || plansBody || plansPanel || eventRows)) return;
   var singleRow = tbody && tbody.dataset.live === "single";
 
   function setStatus(text, state) {
@@ -83,9 +84,14 @@
     if (message.rollouts) applyRollouts(message.rollouts);
     if (tbody && message.rows) applyFleet(message);
     renderAges();
+    // Other pages' scripts (events.js) read the rest of the message.
+    document.dispatchEvent(new CustomEvent("live:message", { detail: message }));
   }
 
   function applyFleet(message) {
+    // A row pushed by the feed is new markup: keep the operator's selection across it.
+    var picked = {};
+    tbody.querySelectorAll("input[name=worker]:checked").forEach(function (box) { picked[box.value] = true; });
     Object.keys(message.rows).forEach(function (id) {
       var fresh = rowFromHtml(message.rows[id]);
       var current = document.getElementById("worker-" + id);
@@ -108,11 +114,15 @@
       });
       var totals = document.getElementById("model-totals");
       if (totals && message.totals) totals.outerHTML = message.totals;
+      var problems = document.getElementById("problems");
+      if (problems && message.problems) problems.outerHTML = message.problems;
       var count = document.getElementById("worker-count");
       if (count) count.textContent = message.order.length;
       var empty = document.getElementById("fleet-empty");
       if (empty) empty.hidden = message.order.length > 0;
     }
+    tbody.querySelectorAll("input[name=worker]").forEach(function (box) { box.checked = !!picked[box.value]; });
+    document.dispatchEvent(new CustomEvent("fleet:updated"));
   }
 
   var retryDelay = 500;

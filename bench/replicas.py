@@ -1,0 +1,408 @@
+"""Several routers in front of the same workers: one router, ``serve --routers 2``, two and
+three replicas behind haproxy, and the client oracle, in one run on PostgreSQL and Redis.
+
+Set-up: the routing benchmark's four simulated vLLM workers (``python -m simulator``, the
+timing and cache geometry of ``bench/routing_fleet.py``: ``--ttft-ms 5 --prefill-ms-per-block 6
+--itl-ms 2 --max-batch 8 --block-size 16``, each worker's cache 40 % of the ``prefix``
+workload's working set), one Celery worker with beat for the whole run (probes every second:
+the workers' queue lengths the routers balance on), a fresh PostgreSQL database
+(``bench_replicas_<pid>`` on ``--pg-url``'s server, migrated once, dropped at the end) and a
+Redis db of the run's own (``--redis-db``, 9 by default, FLUSHDB at the start and the end). The
+workers are registered once, through the first router started, and stay in the database for
+every set-up. The set-ups (``bench/replicas_setups.py``), each started for its turn and stopped
+after it, so no idle router takes CPU from another set-up's runs:
+
+* ``one``: one router (uvicorn serving ``controlpanel.asgi``, the flags of
+  ``bench/harness.py``);
+* ``routers2``: one replica started as ``manage.py serve --routers 2 --no-celery``, when this
+  build's ``serve`` has ``--routers`` (else reported as not available in this build);
+* ``replicas2``, ``replicas3``: two or three routers behind haproxy (Debian's package, installed
+  by the benchmark when missing; round robin per request, ``option http-no-delay``, keep-alive
+  on both sides, 600 s client and server timeouts);
+* ``oracle``: no router; the client picks the worker itself (the routing benchmark's oracle:
+  group g to worker g mod 4; round robin for the workloads without prefixes).
+
+Workloads (``bench/replicas_measure.py``), each set-up running them in this order so every
+prefix_aware run starts with a fresh policy instance: ``prefix`` with ``prefix_aware`` and with
+``session_affinity``, ``skewed`` with ``prefix_aware`` (the routing benchmark's seeded sessions
+and load generator, 32 in flight), ``stream``: 64-token streams with ``shortest_queue`` (closed
+loop, 32 clients), and ``tiny``: the throughput scenario, one-token non-streamed requests with
+``shortest_queue`` (closed loop, 64 clients). The policy is changed with ``PATCH
+/api/models/{name}`` on one router; the benchmark waits until every router it can address has a
+snapshot newer than the change, plus 1 s. Before every run all workers are reset (cold caches,
+zeroed counters).
+
+Figures per run: hit rate (the workers' own prefix-cache counters), TTFT mean / p50 / p99 (send
+to the first content chunk), requests per worker and their spread (busiest / mean), throughput,
+CPU seconds of every process (routers one by one, haproxy, Celery, workers, this load generator,
+and the PostgreSQL and Redis servers read from ``/proc``), router CPU per request, and the bytes
+of shared state: Redis's used_memory and the run's db's key bytes before and after, and the
+routers' published bytes when they count them (``controlpanel_router_shared_bytes_total``;
+"n/a" when absent). Rounds are interleaved: the set-up order rotates from round to round, so
+noise hits every set-up alike; every figure is the median over rounds and every target the
+median of per-round ratios (``bench/replicas_report.py``).
+
+Usage: ``.venv/bin/python bench/replicas.py [--quick] [--rounds N] [--only SETUP]
+[--workload W] [--baseline FILE]``. Prints a markdown report on stdout (progress on stderr)
+and writes ``bench/out/replicas-<timestamp>.json``; ``--baseline`` compares one router's CPU
+per request with an earlier run's JSON. Exit 0 when every request succeeded (targets may FAIL
+in the report), 1 otherwise. Every subprocess, the temporary directory, the database and the
+Redis db are cleaned up on exit, error, SIGTERM or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for `python bench/...py`
+from bench import harness
+from bench import routing_fleet as rf
+from bench.harness import HOST, JSON_HEADERS, PYTHON, ROOT, log
+from bench.replicas_measure import WORKLOADS, run_one
+from bench.replicas_report import medians, report, targets
+from bench.replicas_setups import (
+    ORACLE,
+    POLICY_SETTLE_S,
+    ROUTERS2,
+    SETUPS,
+    WORKER_EXTRA,
+    Setup,
+    ensure_haproxy,
+    serve_has_routers,
+    set_policy,
+    start_setup,
+    stop_setup,
+)
+from bench.routing_modes import POLICY_CONFIGS
+from bench.routing_workloads import FULL, QUICK, SEED, build_workloads, working_set
+from bench.shared_services import (
+    DEFAULT_PG_URL,
+    DEFAULT_REDIS,
+    DEFAULT_REDIS_DB,
+    BenchDatabase,
+    flush_redis,
+    redis_url,
+)
+
+DEFAULT_ROUNDS = 3
+# (workload, policy) in the order every set-up runs them; prefix_aware never twice in a row.
+PLAN = (
+    ("prefix", "prefix_aware"),
+    ("prefix", "session_affinity"),
+    ("prefix", "kv_aware"),
+    ("skewed", "prefix_aware"),
+    ("skewed", "kv_aware"),
+    ("stream", "shortest_queue"),
+    ("tiny", "shortest_queue"),
+)
+STATEFUL = {"prefix_aware"}  # policies whose instance learns from traffic: start each run fresh
+AWAY = "round_robin"  # switched to and back when a stateful policy would be reused
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+async def start_workers(proc: harness.Fleet, cache_blocks: int, kv: bool) -> rf.Fleet:
+    """The four simulated workers (publishing KV events with `kv`) and Celery. The routing
+    benchmark's Fleet type carries them (its counters read only `workers`); this benchmark
+    has no single router or floor."""
+    # One call: ports from separate calls can coincide (each is released before the next).
+    every = harness.free_ports(rf.N_WORKERS * (3 if kv else 1))
+    ports, kv_ports = every[: rf.N_WORKERS], every[rf.N_WORKERS :]
+    pairs = [(kv_ports[2 * i], kv_ports[2 * i + 1]) for i in range(rf.N_WORKERS)] if kv else []
+    for i, port in enumerate(ports):
+        rf.start_sim(
+            proc, f"worker{i}", port, cache_blocks, rf.PREFILL_MS_PER_BLOCK,
+            pairs[i] if kv else None,
+        )  # fmt: skip
+    rf.start_celery(proc)
+    urls = [f"http://{HOST}:{p}" for p in ports]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        for url in urls:
+            await harness.wait_until(
+                f"{url}/health", partial(harness.http_ok, http, url + "/health"), proc
+            )
+    endpoints = [rf.kv_endpoints(p) for p in pairs]
+    for url, (events, replay) in zip(urls, endpoints, strict=True):
+        WORKER_EXTRA[url] = {"kv_events": events, "kv_events_replay": replay}
+    return rf.Fleet(proc, "", 0, urls, [], cache_blocks, "", 0, endpoints)
+
+
+async def warm_up(http: aiohttp.ClientSession, setup: Setup) -> None:
+    """A few requests through the front (haproxy spreads them over every replica), so no
+    measured run pays for connection set-up."""
+    body = orjson.dumps(
+        {"model": rf.MODEL, "messages": [{"role": "user", "content": "warm up"}],
+         "max_tokens": 1}
+    )  # fmt: skip
+    for _ in range(2 * len(setup.routers) + 2):
+        async with http.post(
+            setup.front + "/v1/chat/completions", data=body, headers=JSON_HEADERS
+        ) as resp:
+            await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"warm-up through {setup.front}: HTTP {resp.status}")
+
+
+class Policies:
+    """Which policy the database holds, and whether the running routers' instance of it has
+    served traffic (then a stateful one is switched away and back: a fresh instance)."""
+
+    def __init__(self) -> None:
+        self.current: tuple[str, str] | None = None  # (policy, config as JSON)
+        self.used = False
+
+    async def use(
+        self, http: aiohttp.ClientSession, proc: harness.Fleet, setup: Setup, policy: str
+    ) -> None:
+        config = POLICY_CONFIGS.get(policy, {})
+        want = (policy, json.dumps(config, sort_keys=True))
+        if want == self.current and self.used and policy in STATEFUL:
+            await self._set(http, proc, setup, AWAY, {})
+        if want != self.current:
+            await self._set(http, proc, setup, policy, config)
+        self.used = True
+
+    async def _set(
+        self,
+        http: aiohttp.ClientSession,
+        proc: harness.Fleet,
+        setup: Setup,
+        policy: str,
+        config: dict[str, Any],
+    ) -> None:
+        why = await set_policy(http, proc, setup, policy, config)
+        if why is not None:
+            raise RuntimeError(why)
+        self.current = (policy, json.dumps(config, sort_keys=True))
+        self.used = False
+
+
+async def run_setup(
+    ctx: dict[str, Any], name: str, rnd: int, plan: list[tuple[str, str]]
+) -> list[dict[str, Any]]:
+    """Start one set-up, run the plan on it, stop it."""
+    http, proc, workers, policies = ctx["http"], ctx["proc"], ctx["workers"], ctx["policies"]
+    setup = await start_setup(proc, http, name, workers.workers)
+    out = []
+    try:
+        if name != ORACLE:
+            await warm_up(http, setup)
+            policies.used = True  # the warm-up went through the instance in force
+        oracle_done: set[str] = set()  # the oracle runs each workload once
+        for workload, policy in plan:
+            if name == ORACLE:
+                if workload in oracle_done:
+                    continue
+                oracle_done.add(workload)
+                policy = "oracle"
+            else:
+                await policies.use(http, proc, setup, policy)
+            spec = (workload, policy, rnd, ctx["scale"])
+            run = await run_one(http, proc, setup, workers, ctx["chats"], spec, ctx["redis"])
+            log(
+                f"  r{rnd + 1} {name:<9} {workload:<6} {policy:<16} hit {run.hit_rate:5.3f} "
+                f"TTFT mean {run.ttft_mean_ms:6.1f} p99 {run.ttft_p99_ms:6.1f} ms "
+                f"| {run.rps:7.1f} req/s | workers {run.per_worker} | router CPU "
+                f"{run.router_cpu_ms_per_req:.3f} ms/req | accuracy {run.accuracy:.3f} "
+                f"({run.checked:.0f}) | errors {run.errors} "
+                f"| {run.wall_s:.1f} s"
+            )
+            out.append(asdict(run))
+    finally:
+        stop_setup(proc, setup)
+    return out
+
+
+def quiet_check(seconds: float = 2.0) -> float:
+    """How busy the machine is before the benchmark starts anything, in %."""
+    busy0, total0 = harness.machine_ticks()
+    time.sleep(seconds)
+    busy1, total1 = harness.machine_ticks()
+    return 100 * (busy1 - busy0) / max(total1 - total0, 1)
+
+
+async def benchmark(
+    args: argparse.Namespace, db: BenchDatabase, redis: str, proc: harness.Fleet
+) -> dict[str, Any]:
+    proc.env.update(
+        DATABASE_URL=db.url,
+        REDIS_URL=redis,
+        CONTROLPANEL_PROBE_INTERVAL=str(rf.PROBE_INTERVAL_S),
+        CONTROLPANEL_HOUSEKEEPING_SECONDS=str(rf.PROBE_INTERVAL_S),
+        CONTROLPANEL_SHUTDOWN_GRACE="5",
+    )
+    log(f"migrating {db.name} ...")
+    proc.run([PYTHON, "manage.py", "migrate", "--noinput"])
+    unavailable: dict[str, str] = {}
+    setups = [s for s in SETUPS if not args.only or s in args.only]
+    if ROUTERS2 in setups and not serve_has_routers(proc):
+        unavailable[ROUTERS2] = "not available in this build (`manage.py serve` has no --routers)"
+        setups.remove(ROUTERS2)
+    scale = QUICK if args.quick else FULL
+    chats = build_workloads(scale, SEED)
+    ws = working_set(chats["prefix"])
+    log(f"starting {rf.N_WORKERS} simulated workers and Celery ...")
+    workers = await start_workers(proc, ws["cache_blocks_per_worker"], args.kv)
+    plan = [
+        (w, p)
+        for w, p in PLAN
+        if (not args.workload or w in args.workload)
+        and (args.kv or p != "kv_aware")
+        and (not args.policy or p in args.policy)
+    ]
+    runs: list[dict[str, Any]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        ctx = {
+            "http": http,
+            "proc": proc,
+            "workers": workers,
+            "policies": Policies(),
+            "chats": chats,
+            "scale": "quick" if args.quick else "full",
+            "redis": redis,
+        }
+        for rnd in range(args.rounds):
+            k = rnd % len(setups)
+            order = setups[k:] + setups[:k]  # rotate the order from round to round
+            log(f"round {rnd + 1}/{args.rounds}: {', '.join(order)}")
+            for name in order:
+                runs += await run_setup(ctx, name, rnd, plan)
+    return {"runs": runs, "unavailable": unavailable, "working_set": ws}
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="smaller workloads, 1 round")
+    parser.add_argument("--rounds", type=int, default=None, help=f"default {DEFAULT_ROUNDS}")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=SETUPS,
+        metavar="SETUP",
+        help=f"run only this set-up (repeatable): {', '.join(SETUPS)}",
+    )
+    parser.add_argument(
+        "--workload",
+        action="append",
+        choices=WORKLOADS,
+        metavar="W",
+        help=f"run only this workload (repeatable): {', '.join(WORKLOADS)} "
+        "(tiny is the throughput scenario)",
+    )
+    parser.add_argument(
+        "--kv",
+        action="store_true",
+        help="workers publish KV events (registered with kv_events), report cached tokens, "
+        "and the plan adds kv_aware on prefix and skewed",
+    )
+    parser.add_argument(
+        "--policy",
+        action="append",
+        metavar="P",
+        help="run only the plan's entries with this policy (repeatable)",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="FILE",
+        help="an earlier bench/out/replicas-*.json to compare one router's CPU/request with",
+    )
+    parser.add_argument("--pg-url", default=DEFAULT_PG_URL, help="PostgreSQL server to use")
+    parser.add_argument("--redis", default=DEFAULT_REDIS, help="Redis server (no db number)")
+    parser.add_argument(
+        "--redis-db",
+        type=int,
+        default=DEFAULT_REDIS_DB,
+        help="the Redis db the run owns: flushed at the start and the end",
+    )
+    args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else DEFAULT_ROUNDS
+    if not 1 <= args.rounds <= 20:
+        parser.error("--rounds must be between 1 and 20")
+    if not 1 <= args.redis_db <= 15:
+        parser.error("--redis-db must be between 1 and 15 (db 0 is everyone's default)")
+    if args.baseline is not None and not args.baseline.is_file():
+        parser.error(f"--baseline {args.baseline}: no such file")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the database is dropped too
+    haproxy = ensure_haproxy()
+    busy_before = quiet_check()
+    log(f"machine busy before the run: {busy_before:.0f} % (other load)")
+    db = BenchDatabase(args.pg_url)
+    redis = redis_url(args.redis, args.redis_db)
+    started = time.monotonic()
+    loadavg_before = [round(x, 2) for x in os.getloadavg()]
+    try:
+        found = flush_redis(redis)
+        if found:
+            log(f"Redis db {args.redis_db} held {found} keys (a previous run's?); flushed")
+        db.create()
+        measured = harness.run_with_fleet(partial(benchmark, args, db, redis))
+    finally:
+        db.drop()
+        flush_redis(redis)
+    if measured is None:
+        return 130
+    result: dict[str, Any] = {
+        "machine": harness.machine_info(),
+        "haproxy": haproxy,
+        "loadavg_before": loadavg_before,
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "busy_before_pct": busy_before,
+        "config": {
+            "quick": args.quick,
+            "rounds": args.rounds,
+            "only": args.only,
+            "workload": args.workload,
+            "kv": args.kv,
+            "policy": args.policy,
+            "workers": rf.N_WORKERS,
+            "database": f"{db.name} on {args.pg_url.rpartition('/')[0]}",
+            "redis_db": args.redis_db,
+            "policy_settle_s": POLICY_SETTLE_S,
+            "prefix_aware_config": POLICY_CONFIGS["prefix_aware"],
+            "seed": SEED,
+            "python": PYTHON,
+        },
+        "duration_s": round(time.monotonic() - started, 1),
+        "celery_restarts": rf.CELERY_RESTARTS,
+        **measured,
+    }
+    result["summary"] = medians(result["runs"])
+    if args.baseline is not None:
+        result["baseline"] = json.loads(args.baseline.read_text())
+        result["baseline_file"] = str(args.baseline)
+    result["targets"] = targets(result)
+    print(report(result))
+    result.pop("baseline", None)
+    path = harness.write_json("replicas", result)
+    log(f"\nwrote {path.relative_to(ROOT)} ({result['duration_s']} s)")
+    errors = sum(r["errors"] for r in result["runs"])
+    if errors:
+        log(f"WARNING: {errors} requests failed; the figures are suspect")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

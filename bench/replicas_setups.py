@@ -1,0 +1,319 @@
+"""The set-ups of ``bench/replicas.py``: the bench database, Redis, haproxy, and the routers.
+
+A library for that script, not a script:
+
+* **Services** (bench/shared_services.py): a fresh PostgreSQL database on the server of
+  ``--pg-url``, dropped at the end, and the run's own Redis db number (``--redis-db``, 9 by
+  default), emptied at the start and at the end, so a run never touches other data.
+* **haproxy** from Debian's package: :func:`ensure_haproxy` installs it with apt-get when
+  ``/usr/sbin/haproxy`` is missing (root only), :func:`haproxy_config` writes its config
+  (round robin over the replicas, ``option http-no-delay``, keep-alive on both sides, long
+  timeouts for streams, bound on 127.0.0.1 only).
+* **Set-ups** (:data:`SETUPS`): one router, one replica with ``manage.py serve --routers 2``
+  (when this build has the option), two and three replicas behind haproxy, and the client
+  oracle (no router at all). :func:`start_setup` starts one on the shared database, waits until
+  every router lists the workers as routable, and :func:`stop_setup` stops it again, so no idle
+  router of another set-up takes CPU from a measured one.
+* **Policies.** :func:`set_policy` changes the model's policy through one router's
+  ``PATCH /api/models/{name}`` and waits until every router process it can address has loaded a
+  snapshot newer than the change (``/health``'s ``snapshot_generation``), plus a settle time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from bench import harness
+from bench.harness import HOST, PYTHON, ROOT, log
+from bench.routing_fleet import MODEL, wait_kv_ready
+
+HAPROXY = Path("/usr/sbin/haproxy")
+STOP_TIMEOUT_S = 15.0
+# After every addressable router loaded the change: the processes behind one port (`serve
+# --routers N`) poll the database every 0.25 s too, and a new policy instance is built on the
+# first request.
+POLICY_SETTLE_S = 1.0
+POLICY_WAIT_S = 8.0
+
+# The router's uvicorn command, as bench/harness.py's start_router runs it (which also migrates
+# on every start; here the database is migrated once, so replicas start without it).
+ROUTER_FLAGS = ("--lifespan", "on", "--no-access-log")
+
+ONE, ROUTERS2, REPLICAS2, REPLICAS3, ORACLE = "one", "routers2", "replicas2", "replicas3", "oracle"
+SETUPS = (ONE, ROUTERS2, REPLICAS2, REPLICAS3, ORACLE)
+LABELS = {
+    ONE: "one router",
+    ROUTERS2: "one replica, serve --routers 2",
+    REPLICAS2: "2 replicas + haproxy",
+    REPLICAS3: "3 replicas + haproxy",
+    ORACLE: "client oracle",
+}
+MULTI = (ROUTERS2, REPLICAS2, REPLICAS3)
+
+
+# --------------------------------------------------------------------------- haproxy
+
+
+def ensure_haproxy() -> str:
+    """/usr/sbin/haproxy, installed from Debian's package when missing (root only)."""
+    if HAPROXY.exists():
+        return _haproxy_version()
+    if os.geteuid() != 0:
+        raise SystemExit(
+            f"{HAPROXY} is missing and this is not root: install Debian's haproxy "
+            "(sudo apt-get install haproxy) and run again"
+        )
+    if shutil.which("apt-get") is None:
+        raise SystemExit(f"{HAPROXY} is missing and there is no apt-get to install it with")
+    log("haproxy is missing; installing Debian's package ...")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "haproxy"]
+    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update", "-qq"], env=env, check=True, capture_output=True)
+        result = subprocess.run(install, env=env, capture_output=True)
+        if result.returncode != 0:
+            raise SystemExit(f"apt-get install haproxy failed:\n{result.stderr.decode()[-2000:]}")
+    if not HAPROXY.exists():
+        raise SystemExit(f"apt-get installed haproxy, but {HAPROXY} is still missing")
+    return _haproxy_version()
+
+
+def _haproxy_version() -> str:
+    out = subprocess.run([str(HAPROXY), "-v"], capture_output=True, text=True).stdout
+    return out.splitlines()[0] if out else "unknown"
+
+
+# Keep-alive on both sides, not `option http-server-close`: an LLM gateway's clients (the
+# OpenAI SDK's httpx pool) keep their connections, and so should the gateway towards the
+# routers, or every request pays a loopback connect and leaves a TIME_WAIT socket, which would
+# measure haproxy's configuration rather than the routers. In `mode http` haproxy balances every
+# request on its own, kept-alive connection or not, so round robin stays per request.
+HAPROXY_CONFIG = """\
+global
+    maxconn 8192
+
+defaults
+    mode http
+    option http-no-delay
+    option http-keep-alive
+    http-reuse safe
+    timeout connect 5s
+    timeout client 600s
+    timeout server 600s
+    timeout http-request 30s
+    timeout http-keep-alive 30s
+    timeout queue 30s
+
+frontend routers
+    bind {host}:{port}
+    default_backend replicas
+
+backend replicas
+    balance roundrobin
+    option httpchk GET /health
+    http-check expect status 200
+{servers}
+"""
+
+
+def haproxy_config(port: int, replica_ports: list[int]) -> str:
+    servers = "\n".join(
+        f"    server r{i} {HOST}:{p} check inter 2s maxconn 4096"
+        for i, p in enumerate(replica_ports)
+    )
+    return HAPROXY_CONFIG.format(host=HOST, port=port, servers=servers)
+
+
+def start_haproxy(proc: harness.Fleet, name: str, port: int, replica_ports: list[int]) -> int:
+    path = proc.tmp / f"{name}.cfg"
+    path.write_text(haproxy_config(port, replica_ports))
+    check = subprocess.run([str(HAPROXY), "-c", "-q", "-f", str(path)], capture_output=True)
+    if check.returncode != 0:
+        raise RuntimeError(f"haproxy rejects {path}:\n{check.stderr.decode()[-2000:]}")
+    return proc.spawn(name, [str(HAPROXY), "-db", "-f", str(path)]).pid
+
+
+# --------------------------------------------------------------------------- routers
+
+
+def serve_has_routers(proc: harness.Fleet) -> bool:
+    """Whether this build's `manage.py serve` takes --routers."""
+    result = subprocess.run(
+        [PYTHON, "manage.py", "serve", "--help"],
+        cwd=ROOT,
+        env=proc.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return "--routers" in result.stdout
+
+
+def start_replica(proc: harness.Fleet, name: str, port: int) -> int:
+    args = [PYTHON, "-m", "uvicorn", "controlpanel.asgi:application", "--host", HOST,
+            "--port", str(port), *ROUTER_FLAGS]  # fmt: skip
+    return proc.spawn(name, args).pid
+
+
+def start_serve(proc: harness.Fleet, name: str, port: int, routers: int) -> int:
+    args = [PYTHON, "manage.py", "serve", "--routers", str(routers), "--no-celery",
+            "--host", HOST, "--port", str(port)]  # fmt: skip
+    return proc.spawn(name, args).pid
+
+
+@dataclass
+class Setup:
+    """One started set-up: where clients send, which router processes it has."""
+
+    name: str
+    front: str  # base URL the clients use (a router, haproxy, or "" for the oracle)
+    routers: dict[str, int]  # process name -> pid (the serve supervisor for ROUTERS2)
+    router_urls: list[str]  # every router address this benchmark can reach on its own
+    haproxy_pid: int | None = None
+    procs: list[str] = field(default_factory=list)  # fleet process names, to stop
+
+    @property
+    def admin(self) -> str:
+        return self.router_urls[0]
+
+
+async def start_setup(
+    proc: harness.Fleet, http: aiohttp.ClientSession, name: str, workers: list[str]
+) -> Setup:
+    """Start `name`'s processes, and wait until every router routes to all `workers`."""
+    if name == ORACLE:
+        return Setup(name, "", {}, [])
+    n = {ONE: 1, ROUTERS2: 1, REPLICAS2: 2, REPLICAS3: 3}[name]
+    ports = harness.free_ports(n + 1)
+    routers: dict[str, int] = {}
+    for i in range(n):
+        pname = f"{name}-r{i}"
+        if name == ROUTERS2:
+            routers[pname] = start_serve(proc, pname, ports[i], routers=2)
+        else:
+            routers[pname] = start_replica(proc, pname, ports[i])
+    urls = [f"http://{HOST}:{p}" for p in ports[:n]]
+    setup = Setup(name, urls[0], routers, urls, procs=list(routers))
+    for url in urls:
+        await harness.wait_until(
+            f"{url}/health", partial(harness.http_ok, http, url + "/health"), proc, timeout=90
+        )
+    await ensure_registered(http, proc, setup, workers)
+    if name in (REPLICAS2, REPLICAS3):
+        hname = f"{name}-haproxy"
+        setup.haproxy_pid = start_haproxy(proc, hname, ports[n], ports[:n])
+        setup.procs.append(hname)
+        setup.front = f"http://{HOST}:{ports[n]}"
+        await harness.wait_until(
+            f"{setup.front} (haproxy)",
+            partial(harness.http_ok, http, setup.front + "/health"),
+            proc,
+        )
+    return setup
+
+
+REGISTERED: list[str] = []  # worker URLs registered in the bench database
+# More registration fields by worker URL (replicas.py --kv: kv_events, kv_events_replay); with
+# them, every router of a set-up must also follow each worker's KV events before it runs.
+WORKER_EXTRA: dict[str, dict[str, Any]] = {}
+
+
+async def ensure_registered(
+    http: aiohttp.ClientSession, proc: harness.Fleet, setup: Setup, workers: list[str]
+) -> None:
+    """Register the workers once, through the set-up's first router; then wait until every
+    router of the set-up lists all of them as routable."""
+    if not REGISTERED:
+        name = next(iter(setup.routers))
+        log(f"registering {len(workers)} workers through {setup.admin} ...")
+        await harness.register_workers(
+            http, proc, setup.admin, workers, name=name, extra=WORKER_EXTRA
+        )
+        REGISTERED.extend(workers)
+
+    async def routable(url: str) -> bool:
+        async with http.get(f"{url}/list_workers") as resp:
+            listed = orjson.loads(await resp.read())["workers"]
+        ok = [w for w in listed if w["routable"] and w["url"].rstrip("/") in workers]
+        return len(ok) == len(workers)
+
+    for url in setup.router_urls:
+        for _ in range(3 if setup.name == ROUTERS2 else 1):  # one port, several processes
+            await harness.wait_until(
+                f"{url} routes to all workers", partial(routable, url), proc, timeout=60
+            )
+        if WORKER_EXTRA:
+            await wait_kv_ready(http, proc, url, workers)
+
+
+def stop_setup(proc: harness.Fleet, setup: Setup) -> None:
+    """SIGTERM the set-up's processes (haproxy first), and whatever they started."""
+    names = set(setup.procs)
+    mine = [(n, p) for n, p in proc.procs if n in names]
+    mine.sort(key=lambda item: not item[0].endswith("haproxy"))
+    for _, p in mine:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for n, p in mine:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log(f"  {n} did not stop in {STOP_TIMEOUT_S:g} s; killing it")
+            p.kill()
+            p.wait(timeout=5)
+        # `serve` runs its routers in its own session (start_new_session): end any left.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGTERM)
+    proc.procs[:] = [(n, p) for n, p in proc.procs if n not in names]
+
+
+# --------------------------------------------------------------------------- policies
+
+
+async def generation(http: aiohttp.ClientSession, url: str) -> int:
+    async with http.get(url + "/health") as resp:
+        return int(orjson.loads(await resp.read())["snapshot_generation"])
+
+
+async def set_policy(
+    http: aiohttp.ClientSession,
+    proc: harness.Fleet,
+    setup: Setup,
+    policy: str,
+    config: dict[str, Any],
+) -> str | None:
+    """PATCH the model's policy on the set-up's first router, then wait until every router it
+    can address has a newer snapshot, plus POLICY_SETTLE_S; None, or why it failed."""
+    before = {u: await generation(http, u) for u in setup.router_urls}
+    headers = {"Authorization": f"Bearer {proc.token}"}
+    body = {"policy": policy, "policy_config": config}
+    url = f"{setup.admin}/api/models/{MODEL}"
+    async with http.patch(url, json=body, headers=headers) as resp:
+        if resp.status != 200:
+            return f"PATCH {url}: HTTP {resp.status} {(await resp.text())[:300]}"
+        await resp.read()
+    deadline = time.monotonic() + POLICY_WAIT_S
+    pending = dict(before)
+    while pending and time.monotonic() < deadline:
+        for u in list(pending):
+            if await generation(http, u) > pending[u]:
+                del pending[u]
+        await asyncio.sleep(0.05)
+    if pending:
+        log(f"  WARNING: {', '.join(pending)} did not reload within {POLICY_WAIT_S:g} s")
+    await asyncio.sleep(POLICY_SETTLE_S)
+    return None

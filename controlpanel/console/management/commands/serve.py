@@ -1,0 +1,238 @@
+"""`manage.py serve`: everything a first run needs, in one command.
+
+Migrates, makes a first admin and prints where to log in, then hands over to the launcher
+(`python -m launcher`, which loads no Django): it runs `--routers N` router processes
+(uvicorn) on the one port, a Celery worker with beat, and with `--demo N` a small simulated
+fleet: N simulated vLLM workers, each joined by its own worker agent (as real vLLM servers
+would be), plus light client traffic so queues and in-flight counts move. Ctrl-C or SIGTERM
+stops every child; if one dies, the others are stopped too rather than limping on.
+
+Several routers share prefix knowledge, load and admission limits through Redis, so
+`--routers N` with N > 1 is refused without `REDIS_URL`, and `--routers auto` (one per core)
+means one router without it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+import socket
+import sys
+from typing import Any
+
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connections
+
+from controlpanel.registry import accounts
+from controlpanel.registry.models import Alias
+from controlpanel.rollouts import aliases
+
+DEMO_MODELS = [
+    # (model, LoRA adapters): two workers share a model so balancing is visible.
+    ("llama-3.1-8b-instruct", ["sql-lora"]),
+    ("llama-3.1-8b-instruct", ["sql-lora"]),
+    ("qwen2.5-7b-instruct", []),
+]
+# Simulated GPUs per demo worker, as tensor-parallel sizes: one strip of two, one of one.
+DEMO_GPUS = (2, 2, 1)
+DEMO_ALIAS = "chat"
+CELERY_ROOT_WARNING = "You're running the worker with superuser privileges"
+
+# (name, command line, whether it waits for a router to answer), for the launcher to run once
+Children = list[tuple[str, list[str], bool]]
+
+
+class Command(BaseCommand):
+    help = "Run the routers and control panel (uvicorn), Celery with beat, and a demo fleet."
+    requires_migrations_checks = False
+    access_log = ""  # where the routers' access log goes, when not to the console
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument(
+            "--routers",
+            default="1",
+            metavar="N",
+            help="router processes serving the one port (auto: one per core; more than "
+            "one needs REDIS_URL)",
+        )
+        parser.add_argument(
+            "--demo", type=int, default=0, metavar="N", help="also run N simulated vLLM workers"
+        )
+        parser.add_argument("--demo-base-port", type=int, default=18101)
+        parser.add_argument(
+            "--demo-traffic",
+            type=float,
+            default=2.0,
+            metavar="RPS",
+            help="requests per second the demo client sends (0: none)",
+        )
+        parser.add_argument("--no-celery", action="store_true", help="run no Celery worker")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        routers = self._router_count(options["routers"])
+        call_command("migrate", interactive=False, verbosity=0)
+        env = self._child_env(demo=options["demo"] > 0)
+        base = self._announce(options["host"], options["port"], routers)
+        children: Children = []
+        if not options["no_celery"]:
+            # --quiet: no banner. The warning about running as root is for a production
+            # worker; here it is one process of a first run, often in a root container.
+            children.append(
+                ("celery", [sys.executable, "-W", f"ignore:{CELERY_ROOT_WARNING}", "-m",
+                            "celery", "-A", "controlpanel", "--quiet", "worker", "--beat",
+                            "--pool", "threads", "--concurrency", "4", "--loglevel", "WARNING"],
+                 False),
+            )  # fmt: skip
+        if options["demo"]:
+            children += self._demo_children(options, base)
+            self._demo_alias()
+        self._launch(options, routers, children, env)
+
+    def _router_count(self, value: str) -> int:
+        """--routers as a number; more than one only with Redis, where the routers share
+        prefix knowledge, load and admission limits."""
+        if value == "auto":
+            if not settings.REDIS_URL:
+                self.stdout.write("--routers auto: 1 router, since REDIS_URL is unset.\n")
+                return 1
+            return max(1, len(os.sched_getaffinity(0)))
+        try:
+            count = int(value)
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise CommandError(f"--routers takes a number from 1 up or auto, not {value!r}")
+        if count > 1 and not settings.REDIS_URL:
+            raise CommandError(
+                f"--routers {count} needs REDIS_URL: the router processes share prefix "
+                "knowledge, load and admission limits through Redis. Set REDIS_URL, or run "
+                "one router (--routers 1)."
+            )
+        return count
+
+    def _child_env(self, *, demo: bool) -> dict[str, str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if demo and settings.CONTROLPANEL_ACCESS_LOG and "CONTROLPANEL_ACCESS_LOG_FILE" not in env:
+            # The demo client's requests would be most of the console: their JSON lines go
+            # to a file, and the console keeps the operators' events (registry.events).
+            env["CONTROLPANEL_ACCESS_LOG_FILE"] = str(settings.VAR_DIR / "access.log")
+            self.access_log = env["CONTROLPANEL_ACCESS_LOG_FILE"]
+        # The launcher runs from this checkout, wherever serve was started from.
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(settings.BASE_DIR), os.environ.get("PYTHONPATH")) if p
+        )
+        if demo and not settings.CONTROLPANEL_WORKER_TOKEN:
+            # The demo's agents need a worker token; one made for this run only keeps
+            # the agent API closed to anyone else.
+            env["CONTROLPANEL_WORKER_TOKEN"] = secrets.token_urlsafe(24)
+        return env
+
+    def _announce(self, host: str, port: int, routers: int) -> str:
+        shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        base = f"http://{shown_host}:{port}"
+        password = accounts.admin_bootstrap()
+        if password:
+            self.stdout.write(
+                self.style.SUCCESS(
+                    f"\nCreated the first staff user.\n  user:      admin\n"
+                    f"  password:  {password}\n  dashboard: {base}/\n"
+                    "(shown once; for real deployments run `python manage.py createsuperuser`)\n"
+                )
+            )
+        self.stdout.write(
+            f"Dashboard: {base}/   OpenAI API: {base}/v1   API docs: {base}/api/docs\n"
+        )
+        if routers > 1:
+            self.stdout.write(f"Routers: {routers} processes share port {port}.\n")
+        if self.access_log:
+            self.stdout.write(f"Access log (JSON, one line per request): {self.access_log}\n")
+        return base
+
+    def _demo_children(self, options: dict[str, Any], base: str) -> Children:
+        python, manage = sys.executable, str(settings.BASE_DIR / "manage.py")
+        children: Children = []
+        http_ports = [options["demo_base_port"] + index for index in range(options["demo"])]
+        # Each engine publishes its KV cache events, as vLLM with --kv-events-config, and
+        # keeps a replay socket: the worker pages show the routers' streams, and kv_aware
+        # routes on them. Ports the system has free, not more fixed ones to collide.
+        kv_ports = _free_ports(2 * len(http_ports), avoid=set(http_ports))
+        for index, port in enumerate(http_ports):
+            events, replay = kv_ports[2 * index], kv_ports[2 * index + 1]
+            model, loras = DEMO_MODELS[index % len(DEMO_MODELS)]
+            simulator = [python, manage, "simulate_vllm", "--port", str(port), "--model", model,
+                         "--ttft-ms", "60", "--itl-ms", "25", "--max-batch", "4",
+                         "--gpus", str(DEMO_GPUS[index % len(DEMO_GPUS)]),
+                         "--kv-events-port", str(events),
+                         "--kv-events-replay-port", str(replay)]  # fmt: skip
+            for lora in loras:
+                simulator += ["--lora", lora]
+            children.append((f"sim-{index + 1}", simulator, False))
+            children.append(
+                (f"agent-{index + 1}",
+                 [python, manage, "worker_agent", "--controller", base,
+                  "--worker-url", f"http://127.0.0.1:{port}", "--name", f"demo-{index + 1}",
+                  "--interval", "2", "--dcgm-url", f"http://127.0.0.1:{port}/dcgm-metrics",
+                  "--kv-events", f"tcp://127.0.0.1:{events}",
+                  "--kv-events-replay", f"tcp://127.0.0.1:{replay}"],
+                 True),  # it registers with the router: once that answers
+            )  # fmt: skip
+        if options["demo_traffic"] > 0:
+            children.append(
+                ("demo-traffic",
+                 [python, "-m", "simulator.demo_traffic", "--url", base,
+                  "--rps", str(options["demo_traffic"])], True),
+            )  # fmt: skip
+        self.stdout.write(f"Demo: {options['demo']} simulated workers join through agents.\n")
+        return children
+
+    def _demo_alias(self) -> None:
+        if not Alias.objects.filter(name=DEMO_ALIAS).exists():
+            # Something for the rollouts page: try moving `chat` from llama to qwen.
+            aliases.alias_create(
+                name=DEMO_ALIAS,
+                targets={DEMO_MODELS[0][0]: 100},
+                description="demo alias: plan a rollout to qwen2.5-7b-instruct",
+                actor="demo",
+            )
+
+    def _launch(
+        self, options: dict[str, Any], routers: int, children: Children, env: dict[str, str]
+    ) -> None:
+        """Become the launcher (same pid): it binds the port and runs every child, and none
+        of Django's memory stays behind in the supervisor."""
+        command = [sys.executable, "-m", "launcher", "--routers", str(routers),
+                   "--host", options["host"], "--port", str(options["port"]),
+                   "--grace", str(settings.ROUTER_SHUTDOWN_GRACE),
+                   "--ready-path", "/health"]  # fmt: skip
+        for name, argv, waits in children:
+            command += ["--ready-child" if waits else "--child", name, shlex.join(argv)]
+        connections.close_all()
+        self.stdout.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, command, env)
+
+
+def _free_ports(count: int, avoid: set[int]) -> list[int]:
+    """`count` distinct free ports, none in `avoid`: every socket stays bound until all are
+    chosen (a port asked for twice, one socket at a time, can come back twice, and an
+    engine then fails to bind its replay socket and stops the whole demo)."""
+    held: list[socket.socket] = []
+    chosen: list[int] = []
+    try:
+        while len(chosen) < count:
+            sock = socket.socket()
+            held.append(sock)
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+            if port not in avoid:
+                chosen.append(port)
+        return chosen
+    finally:
+        for sock in held:
+            sock.close()

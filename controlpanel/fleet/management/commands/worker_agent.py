@@ -1,0 +1,70 @@
+import logging
+import os
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from controlpanel.fleet.agent import Agent
+from controlpanel.fleet.kv_endpoints import InvalidKvEventsEndpoint, kv_endpoints
+
+
+class Command(BaseCommand):
+    help = "Run beside a vLLM server: register it, heartbeat, drain it on SIGTERM."
+    requires_system_checks: list[str] = []
+    requires_migrations_checks = False
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--controller", required=True, help="the control panel's URL")
+        parser.add_argument("--worker-url", required=True, help="the vLLM server's URL")
+        parser.add_argument("--name", default="", help="display name (default: host:port)")
+        parser.add_argument(
+            "--interval", type=float, default=None, help="seconds between heartbeats"
+        )
+        parser.add_argument(
+            "--dcgm-url",
+            default="",
+            help="this worker's DCGM exporter, e.g. http://127.0.0.1:9400/metrics (optional)",
+        )
+        parser.add_argument(
+            "--vllm-api-key",
+            default=os.environ.get("VLLM_API_KEY", ""),
+            help="the key the vLLM server requires (default: $VLLM_API_KEY, as vLLM reads "
+            "it); sent to the controller once, at registration, for the router to use",
+        )
+        parser.add_argument(
+            "--kv-events",
+            default="",
+            help="the server's KV cache events endpoint as routers reach it, e.g. "
+            "tcp://gpu-1:5557 (vLLM's --kv-events-config endpoint; optional)",
+        )
+        parser.add_argument(
+            "--kv-events-replay",
+            default="",
+            help="its replay endpoint, e.g. tcp://gpu-1:5558 (optional)",
+        )
+        parser.add_argument(
+            "--token",
+            default=None,
+            help="worker token (default: $CONTROLPANEL_WORKER_TOKEN)",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s agent: %(message)s")
+        try:  # here, not as a 422 the agent would retry forever
+            kv_events, kv_replay = kv_endpoints(options["kv_events"], options["kv_events_replay"])
+        except InvalidKvEventsEndpoint as exc:
+            raise CommandError(str(exc)) from exc
+        agent = Agent(
+            controller=options["controller"],
+            worker_url=options["worker_url"],
+            token=options["token"] or settings.CONTROLPANEL_WORKER_TOKEN,
+            name=options["name"],
+            interval=options["interval"],
+            dcgm_url=options["dcgm_url"],
+            vllm_api_key=options["vllm_api_key"],
+            kv_events=kv_events,
+            kv_events_replay=kv_replay,
+        )
+        agent.install_signal_handlers()
+        agent.run()

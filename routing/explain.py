@@ -1,0 +1,229 @@
+"""Routing explained: why a request went where it went, per request, as a dry run, and live.
+
+* **Per request.** A request with ``X-Route-Explain: 1`` gets an ``X-Route-Explain`` response
+  header: compact JSON with the model asked for and the alias target, the policy and its
+  decision (prefix, load, miss, affinity, overflow, kv, fallback, turn, weighted,
+  two_choices), the chosen worker, up to 8 candidates with the numbers the policy used
+  (load; matched prefix bytes; session rank; KV usage and score; weight; admission room),
+  and the attempts (each retry, and why it moved on), with `fallbacks` (from, to, reason)
+  when the request moved on to another model or alias (routing.fallbacks). Allowed when
+  client keys are off, and for keys with the explain permission; otherwise the header is
+  ignored, not an error. The value stays under MAX_HEADER_BYTES (candidates are dropped
+  from the end to fit).
+* **Zero cost when not asked.** The proxy notes the header in its one pass over the
+  request's headers (routing.access_log); only then does it ask the policy's read-only
+  `explain` before `select`, so the candidates are what the decision saw.
+* **A dry run.** `dry_run` answers the same explanation for a request body without
+  forwarding anything or changing any state: the policy's `explain`, never `select` (the
+  admin API's ``POST /api/route/explain`` calls it in the router process serving it).
+* **Recent decisions.** `DecisionRing` keeps each model's last RING_SIZE decisions of this
+  router process (time, worker, decision, attempts, status; the explanation too when the
+  request asked for one); routing.fleet_sync publishes it so every router's ring can be
+  merged (the models page).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import orjson
+
+from routing.policies.base import BasePolicy, RequestInfo
+from routing.snapshot import ModelRoute, WorkerView
+
+if TYPE_CHECKING:
+    from routing.auth import ClientKey
+    from routing.proxy import RouterApp
+
+T = TypeVar("T")
+HEADER = b"x-route-explain"
+SCOPE_KEY = "controlpanel.explain"
+MAX_CANDIDATES = 8
+MAX_HEADER_BYTES = 4000  # under 4 KiB with the header's name
+RING_SIZE = 50
+_ENTRY_FIELDS = ("at", "worker", "decision", "attempts", "status", "explanation")
+
+
+def wanted(value: bytes) -> bool:
+    return value.strip().lower() in (b"1", b"true", b"yes")
+
+
+def allowed(client: ClientKey | None, require_api_key: bool) -> bool:
+    """Open to all while client keys are off; otherwise to keys with the permission."""
+    if not require_api_key:
+        return True
+    return client is not None and client.explain
+
+
+def start(
+    *,
+    asked: str,
+    model: str,
+    route: ModelRoute,
+    policy: BasePolicy,
+    told_candidates: list[dict[str, Any]],
+    admission: Mapping[int, bool] | None,
+) -> dict[str, Any]:
+    """The explanation before the decision: what the policy saw."""
+    candidates = told_candidates[:MAX_CANDIDATES]
+    if admission is not None:
+        names = {w.name: w.id for w in route.workers}
+        for row in candidates:
+            room = admission.get(names.get(row["worker"], -1))
+            row["admission"] = "room" if room else "full"
+    return {
+        "model": asked,
+        "target": model if model != asked else None,
+        "policy": policy.name,
+        "decision": None,
+        "worker": None,
+        "candidates": candidates,
+        "attempts": [],
+    }
+
+
+def carry_over(before: Mapping[str, Any], after: dict[str, Any]) -> None:
+    """A fallback's explanation keeps the tries before it and the moves (routing.fallbacks):
+    `attempts` lists every try's workers in order, `fallbacks` where each move went."""
+    if "fallbacks" in before:
+        after["attempts"] = [*before["attempts"], *after["attempts"]]
+        after["fallbacks"] = before["fallbacks"]
+
+
+def decided(explanation: dict[str, Any], policy: BasePolicy, worker: WorkerView | None) -> None:
+    explanation["decision"] = policy.last_decision if worker is not None else "no_worker"
+    explanation["worker"] = worker.name if worker is not None else None
+
+
+def encode(explanation: Mapping[str, Any]) -> bytes:
+    """Compact JSON under MAX_HEADER_BYTES: candidates, then attempts' detail, go first."""
+    body = dict(explanation)
+    value = orjson.dumps(body)
+    candidates = list(body.get("candidates", ()))
+    while len(value) > MAX_HEADER_BYTES and candidates:
+        candidates.pop()
+        body["candidates"], body["truncated"] = candidates, True
+        value = orjson.dumps(body)
+    if len(value) > MAX_HEADER_BYTES:
+        body["attempts"] = body.get("attempts", [])[-3:]
+        value = orjson.dumps(body)[:MAX_HEADER_BYTES]
+    return value
+
+
+def dry_run(
+    app: RouterApp, payload: Mapping[str, Any], headers: Sequence[tuple[bytes, bytes]]
+) -> dict[str, Any]:
+    """What the router would do with this body now, changing nothing (no select, no
+    counters, no prefix credit, nothing forwarded)."""
+    from routing.aliases import session_key  # a small module; kept local to stay light
+
+    asked = payload.get("model")
+    if not isinstance(asked, str) or not asked:
+        raise ValueError("the request body needs a `model`")
+    model = asked
+    alias = app.snapshot.aliases.get(asked)
+    if alias is not None:
+        target = alias.choose(session_key(headers, payload))
+        if target is None:
+            raise LookupError(f"the alias `{asked}` has no target")
+        model = target
+    route = app.snapshot.routes.get(model)
+    policy = app.route_policies().get(model)
+    if route is None or policy is None:
+        raise LookupError(f"The model `{model}` does not exist.")
+    text = None
+    if policy.needs_request_text:
+        from routing.request_text import request_text
+
+        text = request_text(payload)
+    # Tokens only as a local tokenizer makes them: a dry run sends nothing to a worker.
+    tokens = app.tokens.local_only(route, payload) if policy.needs_request_tokens else None
+    request = RequestInfo(model=model, body=payload, raw_headers=headers, text=text, tokens=tokens)
+    workers = app.ejector.routable(route.workers)
+    told = policy.explain(workers, request, app.loads)
+    explanation = start(
+        asked=asked, model=model, route=route, policy=policy,
+        told_candidates=told.candidates, admission=app.admission_room(route, workers),
+    )  # fmt: skip
+    explanation["decision"] = told.decision if workers else "no_worker"
+    explanation["worker"] = told.worker.name if told.worker is not None else None
+    explanation["dry_run"] = True
+    return explanation
+
+
+class DecisionRing:
+    """Each model's last RING_SIZE decisions in this router process."""
+
+    def __init__(self, size: int = RING_SIZE) -> None:
+        self.size = size
+        self.rings: dict[str, deque[tuple[Any, ...]]] = {}
+        self.version = 0  # moves with every entry, so publishing can skip a quiet ring
+
+    def add(
+        self,
+        model: str,
+        worker: str | None,
+        decision: str,
+        attempts: int,
+        status: int,
+        explanation: Mapping[str, Any] | None,
+    ) -> None:
+        ring = self.rings.get(model)
+        if ring is None:
+            ring = self.rings[model] = deque(maxlen=self.size)
+        # A tuple, not a dict: this runs for every request.
+        ring.append((time.time(), worker, decision, attempts, status, explanation))
+        self.version += 1
+
+    def snapshot(self) -> dict[str, list[dict[str, Any]]]:
+        return {
+            model: [dict(zip(_ENTRY_FIELDS, entry, strict=True)) for entry in ring]
+            for model, ring in self.rings.items()
+        }
+
+
+def merged(
+    rings: Sequence[Mapping[str, Sequence[Mapping[str, Any]]]], size: int = RING_SIZE
+) -> dict[str, list[dict[str, Any]]]:
+    """Several routers' rings as one: each model's latest `size` decisions, newest first."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for ring in rings:
+        for model, entries in ring.items():
+            out.setdefault(model, []).extend(dict(e) for e in entries)
+    return {
+        model: sorted(entries, key=lambda e: e["at"], reverse=True)[:size]
+        for model, entries in out.items()
+    }
+
+
+_local: tuple[weakref.ref[RouterApp], asyncio.AbstractEventLoop] | None = None
+
+
+def register_local(app: RouterApp) -> None:
+    """The router of this process and its event loop, for the admin API's dry run and the
+    models page, which Django serves on other threads."""
+    global _local
+    _local = (weakref.ref(app), asyncio.get_running_loop())
+
+
+def on_router(read: Callable[[RouterApp], T], timeout: float = 5.0) -> T | None:
+    """Run `read` on the router's own event loop (its state is not thread-safe) and return
+    what it returns; None when this process serves no router (a command, Celery)."""
+    app, loop = (_local[0](), _local[1]) if _local is not None else (None, None)
+    if app is None or loop is None or loop.is_closed():
+        return None
+    try:
+        if asyncio.get_running_loop() is loop:
+            return read(app)
+    except RuntimeError:
+        pass  # no loop in this thread: the usual case, a Django view's thread
+
+    async def run() -> T:
+        return read(app)
+
+    return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout)

@@ -1,0 +1,311 @@
+"""KV aware: send a request where the fewest of its prompt's blocks must be computed, with load.
+
+prefix_aware guesses what a worker's prefix cache holds from the router's own traffic; it
+cannot know that a worker evicted a prefix, restarted, or served someone else. vLLM itself
+publishes every block it stores and evicts (KV cache events), and every router subscribes
+to every worker's events into an exact index (routing.kv_index). This policy routes on that
+index, on the request's token ids as the worker will see them (routing.tokenize).
+
+The rule (NVIDIA Dynamo's KV router cost, with our fused load as the decode term)
+--------------------------------------------------------------------------------
+For each worker ``w`` given, with ``n`` prompt tokens and ``B`` = ``block_size``:
+
+    cached(w)  = prompt tokens w holds: its leading cached blocks (exact, from its KV
+                 events, in the block size its events state) times that block size
+    prefill(w) = (n - cached(w)) / B        the prompt blocks w would have to compute
+    cost(w)    = overlap_weight * prefill(w) + load_weight * load(w)
+
+and the cheapest worker wins (on a tie the less loaded, then at random). ``load`` is
+routing.policies.load's fused signal (every router's requests in flight on the worker plus
+what it reported beyond them), the same in every router. Dynamo writes
+``overlap_score_weight * prefill_blocks + decode_blocks``, its decode term being the KV
+blocks of the worker's active sequences; the router knows requests, not their blocks, so
+``load_weight`` says how many blocks of prefill one request in flight is worth.
+Decision ``"kv"``; ``"miss"`` when no worker holds any block of the prompt (the cost is
+then the load alone, so the least loaded wins). A LoRA adapter's blocks are looked up
+under its name (the index keys them apart from the base model's, as vLLM does).
+
+Then the load guard, prefix_aware's (the same ``skewed`` behaviour): if the winner is
+overloaded, i.e. ``load - min_load > balance_abs_threshold`` *and* ``load >
+balance_rel_threshold * min_load``, the least loaded worker takes the request instead:
+decision ``"load"``. A hot prefix would otherwise queue on its holders whenever its prefill
+saving outweighs any queue the weights allow.
+
+Fallback: never silent
+----------------------
+A worker whose index answers None (no KV events configured, a gap not replayed yet, a
+restart not rebuilt: never trusted stale) is scored from prefix_aware's approximate index
+instead: ``cached(w)`` = the share of the prompt its tree matches (bytes, at chunk
+granularity) times ``n``, and the winner, when it is such a worker, is credited there as
+prefix_aware credits (and shared with other routers the same way). Decision ``"fallback"``
+when the winner was scored so. A request without token ids (no tokenizer could make them
+exactly, see routing.tokenize) is routed by prefix_aware's whole rule on the approximate
+index, decision ``"fallback"``. Each fallback is counted by reason in `fallbacks`
+(``no_tokens``; ``unknown_index``: one per request with at least one worker scored
+approximately), exported on /metrics as
+``controlpanel_router_kv_aware_fallbacks_total{model,reason}``; the approximate index only
+remembers requests sent to workers without an exact index, so it costs nothing while every
+worker has events (and a worker whose index has just turned unknown starts there with
+nothing: an under-estimate, never a false hit).
+
+Prediction: `last_prediction` is the cached tokens the winner should report, its
+``cached`` in whole blocks and at most ``(n - 1) // b * b`` (``b`` its block size: vLLM
+computes at least the prompt's last token), checked against the answer by
+routing.cache_check.
+
+Knobs (the served model's policy_config; an unknown key or a bad value is a ValueError)
+---------------------------------------------------------------------------------------
+``overlap_weight`` (number >= 0, default 1.0)
+    Dynamo's ``overlap_score_weight``: how much a prompt block to compute costs. Higher
+    favours cache reuse (time to first token); lower, an even load (inter-token latency).
+    0 is shortest queue.
+``load_weight`` (number >= 0, default 8)
+    How many prompt blocks one request in flight is worth: a worker holding 8 more blocks
+    (128 tokens at block size 16) of the prompt is worth one more request in its queue.
+    0 routes on the cache alone (the guard still spills a hot spot).
+``balance_abs_threshold`` (number >= 0, default 32) and ``balance_rel_threshold`` (number
+>= 1, default 1.1)
+    The load guard above, as prefix_aware's: set the first to about one batch of the
+    workers (e.g. 8 for workers that run 8 sequences at once).
+``block_size`` (int >= 1, default 16)
+    The block the cost counts in, and a worker's block size until its events state its
+    own (vLLM's ``--block-size``; 16 on GPUs). Set it to the workers' block size so the
+    weights above mean what they say.
+
+Cost (bench/kv_aware_cost.py, bench/RESULTS.md): on a 4k-word prompt about 52 µs p50 at
+4 workers and 63 µs at 8 on the 2-core bench machine, mostly one walk of the prompt's
+chain for all workers (routing.kv_holders: each block hashed once, only as far as some
+worker holds the prefix, one lookup per block for all); tokenization, apart, costs 30-60
+times that. Not thread-safe (one router, one event
+loop) and no I/O: tokens come with the request.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from routing.kv_index import KvIndex, LoraKey
+from routing.policies.base import BasePolicy, Explanation, Prediction, RequestInfo
+from routing.policies.load import check_keys, integer, number
+from routing.policies.prefix_aware import PrefixAwarePolicy, _held_depth
+from routing.request_text import request_text
+from routing.snapshot import WorkerView
+
+_KNOBS = ("overlap_weight", "load_weight", "balance_abs_threshold", "balance_rel_threshold",
+          "block_size")  # fmt: skip
+
+
+class ApproximateIndex(PrefixAwarePolicy):
+    """prefix_aware's index, read per worker, for the workers the exact index cannot tell."""
+
+    def chain(self, request: RequestInfo) -> list[int]:
+        text = request.text if request.text is not None else request_text(request.body)
+        return self._chain(text)
+
+    def held_share(self, worker_id: int, hashes: list[int]) -> float:
+        """The share of the last chained prompt (bytes) that the worker's tree matches."""
+        tree = self._trees.get(worker_id)
+        depth = _held_depth(tree, hashes, 0) if tree is not None and hashes else 0
+        if not depth:
+            return 0.0
+        return min(self._ends[depth - 1], self._chained_bytes) / self._chained_bytes
+
+    def credit_chain(self, worker_id: int, hashes: list[int]) -> None:
+        """Credit a routed prompt to the worker, as prefix_aware's select does."""
+        if not hashes:
+            return
+        now = float(self._clock())
+        self._insert(worker_id, hashes, now, None)
+        if self.outbox is not None:
+            self.outbox.append((worker_id, hashes))
+        self._sweep(worker_id, now, 32 + len(hashes))
+
+
+class _Scored:
+    """One worker's numbers for one request: the prompt tokens it holds (whole blocks of
+    its `size`), whether that is exact, its load and its cost."""
+
+    __slots__ = ("cached", "cost", "exact", "load", "size", "worker")
+
+    def __init__(
+        self, worker: WorkerView, cached: float, size: int, exact: bool, load: int, cost: float
+    ) -> None:
+        self.worker, self.cached, self.size, self.exact, self.load, self.cost = (
+            worker, cached, size, exact, load, cost
+        )  # fmt: skip
+
+
+class KvAwarePolicy(BasePolicy):
+    name = "kv_aware"
+    needs_request_tokens = True
+    default_decision = "kv"
+
+    def __init__(
+        self,
+        config: Mapping[str, Any] | None = None,
+        *,
+        clock: Callable[[], float] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(config)
+        cfg, name = self.config, self.name
+        check_keys(name, cfg, _KNOBS)
+        self.overlap_weight = number(name, cfg, "overlap_weight", 1.0, minimum=0.0)
+        self.load_weight = number(name, cfg, "load_weight", 8.0, minimum=0.0)
+        self.balance_abs_threshold = number(name, cfg, "balance_abs_threshold", 32, minimum=0.0)
+        self.balance_rel_threshold = number(name, cfg, "balance_rel_threshold", 1.1, minimum=1.0)
+        self.block_size = integer(name, cfg, "block_size", 16, minimum=1)
+        self._rng = rng or random.Random()
+        guard: dict[str, Any] = {
+            k: cfg[k] for k in ("balance_abs_threshold", "balance_rel_threshold") if k in cfg
+        }
+        self.approximate = ApproximateIndex(guard, clock=clock or time.monotonic, rng=self._rng)
+        # Set by the router (routing.proxy) to its exact index; None: every worker falls back.
+        self.kv_index: KvIndex | None = None
+        self.fallbacks: Counter[str] = Counter()
+
+    # -- sharing the approximate index between routers (routing.fleet_sync) ----------------
+
+    @property
+    def outbox(self) -> list[tuple[int, list[int]]] | None:
+        return self.approximate.outbox
+
+    @outbox.setter
+    def outbox(self, value: list[tuple[int, list[int]]] | None) -> None:
+        self.approximate.outbox = value
+
+    @property
+    def shape(self) -> str:
+        return self.approximate.shape
+
+    def credit(self, worker_id: int, chain: list[int], shape: str) -> bool:
+        return self.approximate.credit(worker_id, chain, shape)
+
+    # -- the decision ---------------------------------------------------------------------
+
+    def select(
+        self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
+    ) -> WorkerView | None:
+        if not workers:
+            return None
+        reason = self._fallback_reason(workers, request)
+        if reason is not None:
+            return self._approximate_select(workers, request, loads, reason)
+        rows, hashes = self._score(workers, request, loads)
+        if hashes is not None:  # someone was scored approximately
+            self.fallbacks["unknown_index"] += 1
+        decision, best = self._decide(rows)
+        if not best.exact and hashes is not None:
+            self.approximate.credit_chain(best.worker.id, hashes)
+        self._decided(decision, request, best)
+        return best.worker
+
+    def _fallback_reason(self, workers: Sequence[WorkerView], request: RequestInfo) -> str | None:
+        return "no_tokens" if request.tokens is None else None
+
+    def _approximate_select(
+        self,
+        workers: Sequence[WorkerView],
+        request: RequestInfo,
+        loads: Mapping[int, int],
+        reason: str,
+    ) -> WorkerView | None:
+        """prefix_aware's whole rule, on the approximate index."""
+        self.fallbacks[reason] += 1
+        chosen = self.approximate.select(workers, request, loads)
+        self.decisions["fallback"] += 1
+        self.last_decision = "fallback"
+        self.last_prediction = self.approximate.last_prediction
+        return chosen
+
+    def _score(
+        self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
+    ) -> tuple[list[_Scored], list[int] | None]:
+        """Every worker's cached prompt tokens (exact where its index knows) and cost, and
+        the prompt's approximate chain if any worker needed it."""
+        tokens = request.tokens or ()
+        n = len(tokens)
+        index = self.kv_index
+        lora: LoraKey = request.model if _is_lora(workers[0], request.model) else None
+        # One walk of the prompt's chain for every trusted worker (the untrusted are absent).
+        found = {} if index is None else index.cached_blocks_all(
+            [worker.id for worker in workers], tokens, lora, self.block_size
+        )  # fmt: skip
+        hashes: list[int] | None = None
+        per_block = self.overlap_weight / self.block_size  # the cost of one prompt token
+        rows = []
+        for worker in workers:
+            exact, size = found.get(worker.id, (None, self.block_size))
+            if exact is None:
+                if hashes is None:
+                    hashes = self.approximate.chain(request)
+                cached = self.approximate.held_share(worker.id, hashes) * n
+            else:
+                cached = exact * size
+            load = loads.get(worker.id, 0)
+            cost = per_block * (n - cached) + self.load_weight * load
+            rows.append(_Scored(worker, cached, size, exact is not None, load, cost))
+        return rows, hashes
+
+    def _decide(self, rows: list[_Scored]) -> tuple[str, _Scored]:
+        """The cheapest row (ties: least loaded, then random), after the load guard."""
+        low_cost = min(row.cost for row in rows)
+        cheapest = [row for row in rows if row.cost == low_cost]
+        best = self._least_loaded(cheapest)
+        low_load = min(row.load for row in rows)
+        guard = best.load - low_load > self.balance_abs_threshold
+        if guard and best.load > self.balance_rel_threshold * low_load:
+            return "load", self._least_loaded([row for row in rows if row.load == low_load])
+        if not any(row.cached >= row.size for row in rows):
+            return "miss", best
+        return ("kv" if best.exact else "fallback"), best
+
+    def _least_loaded(self, rows: list[_Scored]) -> _Scored:
+        low = min(row.load for row in rows)
+        tied = [row for row in rows if row.load == low]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+
+    def _decided(self, decision: str, request: RequestInfo, best: _Scored) -> None:
+        self.decisions[decision] += 1
+        self.last_decision = decision
+        n, size = len(request.tokens or ()), best.size
+        # Whole blocks, and never the prompt's last token: vLLM always computes that one.
+        tokens = min(int(best.cached) // size, max(n - 1, 0) // size) * size
+        share = tokens / n if n else 0.0
+        self.last_prediction = Prediction(request, best.worker.id, tokens, share, size)
+
+    # -- explaining, read-only -----------------------------------------------------------
+
+    def explain(
+        self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
+    ) -> Explanation:
+        """Each worker's cached and prompt tokens, where the number came from (events or the
+        approximate index), load and cost, cheapest first; and the rule applied to them,
+        crediting and counting nothing."""
+        if not workers:
+            return Explanation("no_worker", None, [])
+        reason = self._fallback_reason(workers, request)
+        if reason is not None:
+            told = self.approximate.explain(workers, request, loads)
+            rows = [{**row, "fallback": reason} for row in told.candidates]
+            return Explanation("fallback", told.worker, rows)
+        scored, _ = self._score(workers, request, loads)
+        decision, best = self._decide(scored)
+        scored.sort(key=lambda r: (r.cost, r.load))
+        n = len(request.tokens or ())
+        shown = [
+            {"worker": r.worker.name, "cached_tokens": int(r.cached), "prompt_tokens": n,
+             "block_size": r.size, "source": "events" if r.exact else "approximate",
+             "load": r.load, "cost": round(r.cost, 2)}
+            for r in scored
+        ]  # fmt: skip
+        return Explanation(decision, best.worker, shown)
+
+
+def _is_lora(worker: WorkerView, model: str) -> bool:
+    """True when `model` is a LoRA adapter on the worker (its entry names a parent)."""
+    return any(entry.id == model and entry.parent for entry in worker.models)

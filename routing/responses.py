@@ -1,0 +1,51 @@
+"""Whole answers the router writes itself over ASGI: JSON bodies and OpenAI-format errors.
+
+Shared by the proxy's refusals (routing.proxy) and the routes it does not proxy
+(routing.listings). Proxied answers never come through here: they are relayed as they arrive.
+"""
+
+from __future__ import annotations
+
+from routing import access_log
+from routing.asgi_types import Send
+from routing.auth import Refusal
+from routing.errors import error_body
+from routing.metrics import RequestTrace
+
+JSON = b"application/json"
+
+
+async def respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+    *,
+    content_type: bytes = JSON,
+) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    if extra_headers:
+        headers += extra_headers
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def respond_error(
+    send: Send,
+    status: int,
+    message: str,
+    param: str | None = None,
+    *,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    await respond(send, status, error_body(status, message, param=param), extra_headers)
+
+
+async def refuse(send: Send, refusal: Refusal, trace: RequestTrace | None = None) -> None:
+    """A request turned away by the client gate (routing.auth): 401, 404 or 429. With a
+    `trace` (a model route), the refusal is counted and carries the request id."""
+    status, headers = refusal.status, list(refusal.headers)
+    if trace is not None:
+        trace.status = refusal.status
+        headers.append((access_log.HEADER, trace.request_id))
+    await respond_error(send, status, refusal.message, refusal.param, extra_headers=headers)

@@ -1,0 +1,444 @@
+"""A request's prompt as token ids, the way the vLLM worker will see them (for kv_aware).
+
+vLLM matches its prefix cache on token ids, block by block, so a router that wants to know
+exactly what a worker holds must route on the same ids. Two ways to get them, in order:
+
+* **A local tokenizer** (preferred: no extra hop). A served model's ``tokenizer`` is a local
+  folder holding a Hugging Face ``tokenizer.json`` and ``tokenizer_config.json``. The
+  tokenizer is loaded with the `tokenizers` library, off the request path (on a thread, when
+  a snapshot names a folder not loaded yet), and cached per folder. Chat requests are
+  rendered with the folder's chat template the way transformers' ``apply_chat_template``
+  and vLLM render it: jinja2's immutable sandbox, ``trim_blocks`` and ``lstrip_blocks``,
+  the ``loopcontrols`` extension, ``raise_exception``, ``strftime_now``, a ``tojson`` that
+  keeps non-ASCII, ``add_generation_prompt`` (vLLM's default: true), the special tokens of
+  the config (``bos_token``, ``eos_token``, ...) and the request's ``chat_template_kwargs``;
+  the text is then encoded without special tokens (vLLM's chat default: the template adds
+  them). A completions prompt is encoded with special tokens (vLLM's default there), and a
+  prompt of token ids is taken as it is. A text past INLINE_CHARS is encoded on a thread,
+  with ``encode_batch``, which lets go of the GIL (``encode`` holds it: a 4k-word prompt
+  would stall the event loop for milliseconds). Nothing is ever downloaded. A folder is read once
+  per path: to pick up a changed tokenizer.json, set the model's folder to a new path (or
+  clear it and set it again).
+* **The worker's own ``POST /tokenize``** otherwise: one extra round trip on the router's one
+  long-lived session, with its own short timeout (TOKENIZE_TIMEOUT), to the least loaded
+  worker of the model. Exact, but it costs a hop: ``controlpanel_router_tokenize_seconds``
+  measures both ways.
+
+What neither can do exactly gives None and the policy falls back to its approximate index,
+counted on /metrics: a batch of prompts, multimodal content, a request's own
+``chat_template``, ``continue_final_message``, other routes (/v1/responses, /v1/messages),
+a failed hop. A template that cannot render locally (raise_exception, an unknown tag) goes
+to the worker, which answers what vLLM would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from functools import partial
+from pathlib import Path
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from tokenizers import Tokenizer
+
+from routing.metrics import PlainHistogram
+from routing.policies.load import least_loaded
+from routing.snapshot import ModelRoute, Snapshot, WorkerView
+
+if TYPE_CHECKING:
+    from jinja2 import Template
+    from prometheus_client.metrics_core import Metric
+
+log = logging.getLogger(__name__)
+
+TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=2.0, sock_connect=1.0)
+# Past this many characters encoding runs on a thread: a long prompt takes milliseconds of
+# CPU, and the event loop serves every other request meanwhile (encode_batch drops the GIL).
+INLINE_CHARS = 8192
+SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                   "mask_token")  # fmt: skip
+# Chat keys the worker's /tokenize takes as the chat endpoint does.
+_CHAT_KEYS = ("messages", "tools", "add_generation_prompt", "continue_final_message",
+              "add_special_tokens", "chat_template", "chat_template_kwargs")  # fmt: skip
+
+
+class TokenizerFolderError(ValueError):
+    """A tokenizer folder that cannot be used, with the reason."""
+
+
+def check_folder(folder: str) -> Path:
+    """The folder as a Path, or TokenizerFolderError naming what is missing (also what the
+    control plane checks when an operator sets it)."""
+    path = Path(folder)
+    if not path.is_absolute():
+        raise TokenizerFolderError(f"the tokenizer folder must be an absolute path: {folder!r}")
+    if not path.is_dir():
+        raise TokenizerFolderError(f"no such folder: {folder}")
+    if not (path / "tokenizer.json").is_file():
+        raise TokenizerFolderError(f"{folder} has no tokenizer.json")
+    return path
+
+
+class LocalTokenizer:
+    """One tokenizer folder: the tokenizer, its chat template (compiled once) and specials."""
+
+    def __init__(self, folder: str) -> None:
+        path = check_folder(folder)
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_config(path / "tokenizer_config.json")
+        self.specials = {k: _token_text(config[k]) for k in _SPECIAL_TOKENS if k in config}
+        extra = config.get("additional_special_tokens")
+        if isinstance(extra, list):
+            self.specials["additional_special_tokens"] = [_token_text(t) for t in extra]
+        source = _template_source(config.get("chat_template"))
+        self.template: Template | None = _compile(source) if source else None
+
+    def chat(self, body: Mapping[str, Any]) -> list[int] | None:
+        """A chat request's ids, or None when they cannot be made exactly here."""
+        text = self.render(body)
+        return None if text is None else self.encode(text, special=chat_specials(body))
+
+    def render(self, body: Mapping[str, Any]) -> str | None:
+        """A chat request's prompt text, as the template makes it (None: not here)."""
+        if self.template is None or "chat_template" in body or body.get("continue_final_message"):
+            return None
+        messages = _plain_messages(body.get("messages"))
+        if messages is None:
+            return None
+        kwargs = body.get("chat_template_kwargs")
+        context: dict[str, Any] = {**self.specials, **(kwargs if isinstance(kwargs, dict) else {})}
+        context.update(
+            messages=messages,
+            tools=body.get("tools"),
+            add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+        )
+        try:
+            text: str = self.template.render(**context)
+        except (TemplateError, TypeError, ValueError) as exc:
+            log.debug("chat template did not render here (%s); the worker will", exc)
+            return None
+        return text
+
+    def prompt(self, prompt: str, body: Mapping[str, Any]) -> list[int]:
+        return self.encode(prompt, special=prompt_specials(body))
+
+    def encode(self, text: str, *, special: bool) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=special).ids
+        return ids
+
+    def encode_unlocked(self, text: str, special: bool) -> list[int]:
+        """encode() for another thread: encode_batch lets go of the GIL while it works
+        (encode does not), so the event loop keeps serving meanwhile."""
+        ids: list[int] = self.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
+        return ids
+
+
+def chat_specials(body: Mapping[str, Any]) -> bool:
+    """vLLM's chat default: no special tokens added (the template has them)."""
+    return body.get("add_special_tokens") is True
+
+
+def prompt_specials(body: Mapping[str, Any]) -> bool:
+    """vLLM's completions default: special tokens added."""
+    return body.get("add_special_tokens", True) is not False
+
+
+class RequestTokens:
+    """The router's tokenizers: loaded per folder as snapshots name them, used per request."""
+
+    def __init__(self) -> None:
+        self._by_folder: dict[str, LocalTokenizer] = {}
+        self._loading: set[str] = set()
+        self.load_errors: dict[str, str] = {}  # folder -> why it could not be loaded
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # (model, source) -> seconds; source: local, worker. And outcomes by (model, source).
+        self.seconds: dict[tuple[str, str], PlainHistogram] = {}
+        self.outcomes: Counter[tuple[str, str]] = Counter()
+
+    # -- off the request path ---------------------------------------------------------------
+
+    def install(self, snapshot: Snapshot) -> None:
+        """Start loading every folder the snapshot names that is not loaded yet; folders no
+        model names any more are dropped. Until a folder is loaded, the worker tokenizes."""
+        wanted = {route.tokenizer for route in snapshot.routes.values() if route.tokenizer}
+        for gone in set(self._by_folder) - wanted:
+            del self._by_folder[gone]
+        for folder in wanted - set(self._by_folder) - self._loading:
+            self._loading.add(folder)
+            self.load_errors.pop(folder, None)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # a test or a command without a loop: load here and now
+                self._loaded(folder, _load(folder))
+                continue
+            future = loop.run_in_executor(self._encoder, _load, folder)
+            future.add_done_callback(partial(self._done, folder))
+
+    def _done(self, folder: str, future: asyncio.Future[LocalTokenizer | str]) -> None:
+        self._loaded(folder, future.result())
+
+    def _loaded(self, folder: str, result: LocalTokenizer | str) -> None:
+        self._loading.discard(folder)
+        if isinstance(result, str):
+            self.load_errors[folder] = result
+            log.error("tokenizer folder %s cannot be used: %s", folder, result)
+        else:
+            self._by_folder[folder] = result
+
+    def local(self, route: ModelRoute) -> LocalTokenizer | None:
+        return self._by_folder.get(route.tokenizer) if route.tokenizer else None
+
+    # -- the request path -------------------------------------------------------------------
+
+    async def of(
+        self,
+        session: aiohttp.ClientSession,
+        path: str,
+        route: ModelRoute,
+        body: Mapping[str, Any],
+        workers: Sequence[WorkerView],
+        loads: Mapping[int, int],
+    ) -> list[int] | None:
+        """The request's token ids (local tokenizer first, then the least loaded worker's
+        /tokenize), or None; every outcome is counted under the model."""
+        started = perf_counter()
+        ids = await self._local(route, path, body)
+        source = "local"
+        if ids is None and path in (CHAT_PATH, COMPLETIONS_PATH):
+            worker = least_loaded(workers, loads)
+            if worker is not None:
+                source = "worker"
+                ids = await _remote(session, worker, route.name, path, body)
+        outcome = source if ids is not None else "none"
+        self.outcomes[route.name, outcome] += 1
+        if ids is not None:
+            self._timed(route.name, source, perf_counter() - started)
+        return ids
+
+    async def _local(
+        self, route: ModelRoute, path: str, body: Mapping[str, Any]
+    ) -> list[int] | None:
+        prompt = body.get("prompt")
+        if path == COMPLETIONS_PATH and _token_ids(prompt):
+            return prompt  # type: ignore[no-any-return]  # checked: a list of ints
+        local = self.local(route)
+        if local is None:
+            return None
+        if path == CHAT_PATH:
+            text, special = local.render(body), chat_specials(body)
+        elif path == COMPLETIONS_PATH and isinstance(prompt, str):
+            text, special = prompt, prompt_specials(body)
+        else:
+            return None
+        if text is None:
+            return None
+        if len(text) <= INLINE_CHARS:
+            return local.encode(text, special=special)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._encoder, local.encode_unlocked, text, special)
+
+    def local_only(self, route: ModelRoute, body: Mapping[str, Any]) -> list[int] | None:
+        """The ids a local tokenizer makes of a body, on this thread (the admin dry run)."""
+        local = self.local(route)
+        prompt = body.get("prompt")
+        if _token_ids(prompt):
+            return prompt  # type: ignore[no-any-return]  # checked: a list of ints
+        if local is None:
+            return None
+        return local.prompt(prompt, body) if isinstance(prompt, str) else local.chat(body)
+
+    def _timed(self, model: str, source: str, seconds: float) -> None:
+        histogram = self.seconds.get((model, source))
+        if histogram is None:
+            histogram = self.seconds[model, source] = PlainHistogram(SECONDS_BUCKETS)
+        histogram.observe(seconds)
+
+    def close(self) -> None:
+        self._encoder.shutdown(wait=False)
+
+
+async def _remote(
+    session: aiohttp.ClientSession,
+    worker: WorkerView,
+    model: str,
+    path: str,
+    body: Mapping[str, Any],
+) -> list[int] | None:
+    """The worker's /tokenize of the request (messages or prompt), or None on any failure:
+    routing then goes on without exact tokens, never fails over it."""
+    if path == CHAT_PATH:
+        ask: dict[str, Any] = {k: body[k] for k in _CHAT_KEYS if k in body}
+    elif isinstance(body.get("prompt"), str):
+        ask = {"prompt": body["prompt"], "add_special_tokens": body.get("add_special_tokens", True)}
+    else:
+        return None
+    ask["model"] = model
+    headers = {"Content-Type": "application/json"}
+    if worker.upstream_authorization is not None:
+        headers["Authorization"] = worker.upstream_authorization
+    try:
+        async with session.post(
+            worker.url + "/tokenize", data=orjson.dumps(ask), headers=headers,
+            timeout=TOKENIZE_TIMEOUT, allow_redirects=False,
+        ) as answer:  # fmt: skip
+            if answer.status != 200:
+                return None
+            tokens = orjson.loads(await answer.read()).get("tokens")
+    except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError, AttributeError) as exc:
+        log.debug("tokenize on %s failed: %r", worker.name, exc)
+        return None
+    return list(tokens) if _token_ids(tokens) else None
+
+
+class TokenizeCollector(Collector):
+    """Tokenization on /metrics: how long it took by source, and how often each way served."""
+
+    def __init__(self, tokens: RequestTokens) -> None:
+        self.tokens = tokens
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        seconds = HistogramMetricFamily(
+            "controlpanel_router_tokenize_seconds",
+            "Time to get a request's token ids for kv_aware, by model and source (local: the "
+            "model's tokenizer folder; worker: a POST /tokenize hop).",
+            labels=["model", "source"],
+        )
+        for (model, source), histogram in self.tokens.seconds.items():
+            seconds.add_metric([model, source], histogram.cumulative(), histogram.total)
+        yield seconds
+        outcomes = CounterMetricFamily(
+            "controlpanel_router_tokenize_requests",
+            "Requests tokenized for kv_aware, by model and outcome (local, worker, or none: "
+            "no exact ids, so the policy fell back to its approximate index).",
+            labels=["model", "outcome"],
+        )
+        for (model, outcome), count in self.tokens.outcomes.items():
+            outcomes.add_metric([model, outcome], count)
+        yield outcomes
+        errors = CounterMetricFamily(
+            "controlpanel_router_tokenizer_load_errors",
+            "Tokenizer folders named by a served model that could not be loaded (1 each).",
+            labels=["folder"],
+        )
+        for folder in self.tokens.load_errors:
+            errors.add_metric([folder], 1)
+        yield errors
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _load(folder: str) -> LocalTokenizer | str:
+    """A loaded folder, or why not (on the loading thread: never raises)."""
+    try:
+        return LocalTokenizer(folder)
+    except Exception as exc:  # noqa: BLE001 - any broken folder must leave routing working
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text(encoding="utf-8"))
+    return config if isinstance(config, dict) else {}
+
+
+def _token_text(value: Any) -> Any:
+    """A special token as the template sees it: AddedToken dicts give their content."""
+    return value.get("content", "") if isinstance(value, dict) else value
+
+
+def _template_source(value: Any) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of named templates of
+    which transformers renders the one named "default"."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        default = named.get("default")
+        return default if isinstance(default, str) else None
+    return None
+
+
+def _compile(source: str) -> Template:
+    """The template as transformers compiles it (its _compile_jinja_template)."""
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:  # fmt: skip
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)  # fmt: skip
+
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])  # fmt: skip
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+def _plain_messages(messages: Any) -> list[dict[str, Any]] | None:
+    """Messages as vLLM hands them to a string-content template: text parts joined by a
+    newline, tool-call arguments parsed from their JSON; None for anything else (images,
+    audio...), which only the worker can tokenize exactly."""
+    if not isinstance(messages, list) or not messages:
+        return None
+    out = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                return None
+            message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
+        if isinstance(message.get("tool_calls"), list):
+            message = {**message, "tool_calls": [_parsed_call(c) for c in message["tool_calls"]]}
+        out.append(message)
+    return out
+
+
+def _parsed_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+__all__ = ["LocalTokenizer", "RequestTokens", "TokenizeCollector", "check_folder"]

@@ -1,0 +1,275 @@
+"""The fake engine behind one simulated vLLM server: what a router cares about, without a GPU.
+
+* **Queueing.** At most ``max_batch`` requests run (prefill + decode) at once; the rest wait in
+  strict FIFO order. ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` report exactly
+  that, and a running request holds ``ceil((prompt + max_tokens) / block_size)`` KV blocks, which
+  is what ``vllm:kv_cache_usage_perc`` reports.
+* **Prefix cache.** An LRU of chained block hashes over the prompt's token ids, the ones
+  ``/tokenize`` answers (:mod:`simulator.prefix_cache`): a block only matches when the whole
+  prefix up to it matches, and a LoRA does not share the base model's blocks. Only full blocks
+  count. ``vllm:prefix_cache_queries_total`` / ``_hits_total`` count tokens, as vLLM does; with
+  ``enable_prompt_tokens_details`` a request's ``usage`` says how many of its tokens were
+  cached. With a KV events port, every store, eviction and reset is published as vLLM's KV
+  cache events (:mod:`simulator.kv_publisher`).
+* **Timing.** Once admitted, a request prefills for
+  ``ttft_ms + prefill_ms_per_block * uncached_blocks``, which produces its first token; every
+  further token takes ``itl_ms``. With ``ttft_ms == 0`` and ``itl_ms == 0`` the simulator never
+  sleeps at all, so benchmarks of tiny requests measure the HTTP path only.
+
+A client disconnect while a request waits, prefills or decodes removes it at once and records it
+in ``cancelled`` / ``cancelled_ids``. Every request except ``/metrics`` and ``/sim/*`` is logged
+in ``Simulator.requests`` (method, path, headers, raw body); the tests read that log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from simulator.config import SimConfig
+from simulator.gpus import SimulatedGpus
+from simulator.hf_tokenizer import HfTokenizer
+from simulator.kv_publisher import KvEventPublisher
+from simulator.metrics import Metrics
+from simulator.prefix_cache import PrefixCache
+from simulator.tokens import token_ids
+from simulator.wire import ApiError
+
+__all__ = ["SIM_KEY", "Job", "Simulator"]
+
+
+@dataclass(slots=True)
+class Job:
+    """One generation request as the fake engine schedules it."""
+
+    id: str
+    model: str
+    lora: bool
+    tokens: list[Hashable]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    blocks: int
+    t0: float = 0.0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details (None: not reported)
+    t_first: float = 0.0
+    admitted: bool = False
+    finished: bool = False
+    produced: int = 0
+
+
+class Simulator:
+    """The state of one fake engine: FIFO admission, prefix cache, counters and request log."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.created = int(time.time())
+        self.instant = config.ttft_ms == 0 and config.itl_ms == 0
+        self.models: dict[str, str | None] = {config.model: None}
+        self.models.update({name: config.model for name in config.loras})
+        self.healthy = True
+        self.fail_ratio = config.fail_ratio
+        self.fail_status = 500
+        self.extra_ttft_ms = 0.0
+        self.running = 0
+        self.waiting = 0
+        self.held_blocks = 0
+        self.lora_running: Counter[str] = Counter()
+        self.lora_waiting: Counter[str] = Counter()
+        self._queue: deque[asyncio.Future[None]] = deque()
+        self.prefix_cache = PrefixCache(config.cache_blocks, config.block_size)
+        # Set by simulator.server when the config has a KV events port.
+        self.kv_events: KvEventPublisher | None = None
+        self.gpus = SimulatedGpus(config.gpus)
+        self.tokenizer = HfTokenizer(config.tokenizer) if config.tokenizer else None
+        self.reset()
+
+    def reset(self) -> None:
+        """Clear counters, metrics, the request log and the prefix cache (not live requests)."""
+        self.received = 0
+        self.completed = 0
+        self.cancelled = 0
+        self.peak_running = self.running  # the most requests in the batch at once, since
+        self.injected_failures = 0
+        self.cancelled_ids: list[str] = []
+        self.by_path: Counter[str] = Counter()
+        self.requests: deque[dict[str, Any]] = deque(maxlen=200)
+        self.metrics = Metrics()
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        self._publish(self.prefix_cache.clear())
+
+    def _publish(self, events: list[Any]) -> None:
+        if events and self.kv_events is not None:
+            self.kv_events.publish(events)
+
+    # -- request prologue ------------------------------------------------------------------
+
+    async def begin(self, request: web.Request) -> bytes:
+        """Read the body and log the request; the tests read the log."""
+        body = await request.read() if request.body_exists else b""
+        path = request.path
+        self.by_path[path] += 1
+        if path != "/metrics":
+            # str() because aiohttp's header names are istr, which orjson refuses as keys.
+            headers = {str(k): v for k, v in request.headers.items()}
+            entry = {"method": request.method, "path": path, "headers": headers, "body": body}
+            self.requests.append(entry)
+        return body
+
+    # -- FIFO admission ----------------------------------------------------------------------
+
+    async def _acquire(self) -> None:
+        if self.running < self.config.max_batch and not self._queue:
+            self.running += 1
+            self.peak_running = max(self.peak_running, self.running)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append(fut)
+        self.waiting += 1
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                # The slot was handed over just before the cancel landed: pass it on.
+                self._release_slot()
+            else:
+                self.waiting -= 1
+                if fut in self._queue:
+                    self._queue.remove(fut)
+            raise
+
+    def _release_slot(self) -> None:
+        while self._queue:
+            fut = self._queue.popleft()
+            if not fut.done():
+                # The slot moves straight to the oldest waiter, so `running` is unchanged and
+                # a newcomer cannot overtake it.
+                self.waiting -= 1
+                fut.set_result(None)
+                return
+        self.running -= 1
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    def _cached_prefix_blocks(self, job: Job) -> int:
+        """Count the leading cached full blocks, then cache (or refresh) every full block."""
+        ids = token_ids(job.tokens)
+        hits, events = self.prefix_cache.lookup_and_store(job.model, job.lora, ids)
+        self._publish(events)
+        return hits
+
+    async def admit(self, job: Job) -> None:
+        """Wait for a batch slot, then prefill; returns when the first token exists."""
+        loop = asyncio.get_running_loop()
+        job.t0 = loop.time()
+        if job.lora:
+            self.lora_waiting[job.model] += 1
+        try:
+            await self._acquire()
+        finally:
+            if job.lora:
+                self.lora_waiting[job.model] -= 1
+        job.admitted = True
+        self.held_blocks += job.blocks
+        if job.lora:
+            self.lora_running[job.model] += 1
+        now = loop.time()
+        self.metrics.queue.observe(now - job.t0)
+        await self._prefill(job)
+        job.t_first = loop.time()
+        job.produced = 1
+        self.metrics.ttft.observe(job.t_first - job.t0)
+
+    async def _prefill(self, job: Job) -> None:
+        n = len(job.tokens)
+        hits = self._cached_prefix_blocks(job)
+        if self.config.enable_prompt_tokens_details:
+            job.cached_tokens = hits * self.config.block_size
+        m = self.metrics
+        m.prompt_tokens += n
+        m.prefix_queries += n
+        m.prefix_hits += hits * self.config.block_size
+        if self.instant:
+            return
+        uncached = n // self.config.block_size - hits
+        delay = self.config.ttft_ms + self.extra_ttft_ms
+        delay += self.config.prefill_ms_per_block * uncached
+        if delay > 0:
+            await asyncio.sleep(delay / 1000)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def complete(self, job: Job, now: float) -> None:
+        job.finished = True
+        self.completed += 1
+        m = self.metrics
+        m.finished["length"] += 1
+        m.e2e.observe(now - job.t0)
+        if job.produced > 1:
+            m.itl.observe((now - job.t_first) / (job.produced - 1), job.produced - 1)
+
+    def cancel(self, job: Job) -> None:
+        if job.finished:
+            return
+        job.finished = True
+        self.metrics.finished["abort"] += 1
+        self.record_cancel(job.id)
+
+    def record_cancel(self, request_id: str) -> None:
+        self.cancelled += 1
+        self.cancelled_ids.append(request_id)
+        if len(self.cancelled_ids) > 2000:
+            # Long benchmarks must not grow memory; tests only look at the recent ids.
+            del self.cancelled_ids[:1000]
+
+    def release(self, job: Job) -> None:
+        """Give back the batch slot and KV blocks; safe to call whatever happened before."""
+        self.metrics.generation_tokens += job.produced
+        job.produced = 0
+        if not job.admitted:
+            return
+        job.admitted = False
+        self.held_blocks -= job.blocks
+        if job.lora:
+            self.lora_running[job.model] -= 1
+        self._release_slot()
+
+    # -- views -------------------------------------------------------------------------------
+
+    def check_model(self, name: Any) -> str:
+        if name is None:
+            return self.config.model
+        if name not in self.models:
+            raise ApiError(404, f"The model `{name}` does not exist.", "model")
+        return str(name)
+
+    def kv_usage(self) -> float:
+        """The share of the KV cache that running requests hold (0..1)."""
+        cfg = self.config
+        return min(1.0, self.held_blocks / cfg.cache_blocks) if cfg.cache_blocks else 0.0
+
+    def stats(self) -> dict[str, Any]:
+        recent = list(self.requests)[-50:]
+        return {
+            "received": self.received,
+            "completed": self.completed,
+            "cancelled": self.cancelled,
+            "cancelled_ids": self.cancelled_ids,
+            "running": self.running,
+            "waiting": self.waiting,
+            "by_path": dict(self.by_path),
+            "requests": [
+                {**r, "body": r["body"].decode("utf-8", errors="replace")} for r in recent
+            ],
+        }
+
+
+SIM_KEY: web.AppKey[Simulator] = web.AppKey("simulator", Simulator)

@@ -1,0 +1,260 @@
+"""deploy/grafana and deploy/prometheus against a real Prometheus (Debian's package, installed
+by `make test` and .ci/run): it scrapes the project in demo mode (`manage.py serve --demo 3`,
+simulated vLLM workers joined by their agents, Celery probing them) while this test sends
+keyed traffic, sets a prefix_aware policy and plans and rolls back a rollout; then every
+PromQL expression of the dashboard must return data, and `promtool check rules` must pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ADMIN_HEADERS, ROOT, free_port, stop_process, wait_until
+
+DASHBOARD = ROOT / "deploy" / "grafana" / "controlpanel.json"
+RULES = ROOT / "deploy" / "prometheus" / "controlpanel-rules.yaml"
+MODEL, OTHER, ALIAS = "llama-3.1-8b-instruct", "qwen2.5-7b-instruct", "chat"
+SCRAPE_SECONDS = 1
+# Grafana's own variables, as it would fill them in for a short time range.
+GRAFANA_VARIABLES = {"$__rate_interval": "15s", "$__interval": "5s"}
+
+
+def tool(name: str) -> str:
+    found = shutil.which(name)
+    assert found, f"{name} is missing: `make test` and .ci/run install Debian's prometheus"
+    return found
+
+
+def dashboard_expressions() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    found = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", ())]
+    return [substituted(expr) for expr in found]
+
+
+def substituted(expr: str) -> str:
+    for name, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(name, value)
+    assert "$" not in expr, f"a variable this test does not know: {expr}"
+    return expr
+
+
+def test_the_rules_load_with_promtool() -> None:
+    done = subprocess.run(
+        [tool("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"SUCCESS: \d+ rules found", done.stdout)
+
+
+def test_the_dashboard_is_grafana_json_with_the_panels_asked_for() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    rows = {p["title"] for p in dashboard["panels"] if p["type"] == "row"}
+    assert rows == {
+        "Fleet health",
+        "Per-model traffic, latency and TTFT",
+        "Per-worker queue, KV cache and GPU",
+        "Routing decisions per policy",
+        "Rollouts",
+        "Key usage",
+    }
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def consecutive_free_ports(count: int) -> int:
+    for _ in range(50):
+        base = free_port()
+        if base + count < 65535 and all(_port_free(base + i) for i in range(count)):
+            return base
+    raise AssertionError("no run of free ports")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def project_env(var_dir: Path, **extra: str) -> dict[str, str]:
+    # Its own SQLite and no Redis: the demo's Celery must not share a broker with the suite's.
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env.update(
+        DJANGO_SETTINGS_MODULE="tests.settings",
+        DATABASE_URL=f"sqlite:///{var_dir / 'demo.sqlite3'}",
+        CONTROLPANEL_VAR_DIR=str(var_dir),
+        CONTROLPANEL_PROBE_INTERVAL="1",
+        CONTROLPANEL_HEARTBEAT_EXPIRY="10",
+        CONTROLPANEL_REQUIRE_API_KEY="1",
+        CONTROLPANEL_ACCESS_LOG="0",
+        PYTHONUNBUFFERED="1",
+        **extra,
+    )
+    return env
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    port, base = free_port(), consecutive_free_ports(3)
+    env = project_env(tmp_path)
+    command = [sys.executable, "manage.py", "serve", "--port", str(port), "--demo", "3",
+               "--demo-base-port", str(base), "--demo-traffic", "0"]  # fmt: skip
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _demo_ready(url, proc, tmp_path), timeout=60, interval=0.5)
+        yield url, env
+    finally:
+        stop_process(proc, timeout=20)
+        log.close()
+
+
+def _demo_ready(url: str, proc: subprocess.Popen[bytes], var_dir: Path) -> bool:
+    if proc.poll() is not None:
+        raise AssertionError((var_dir / "serve.log").read_text(errors="replace")[-3000:])
+    try:
+        health = httpx.get(url + "/health", timeout=2).json()
+    except httpx.HTTPError:
+        return False
+    return bool(health.get("routable_workers", 0) >= 3)
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, demo: tuple[str, dict[str, str]]) -> Iterator[str]:
+    target = demo[0].removeprefix("http://")
+    config = {
+        "global": {"scrape_interval": f"{SCRAPE_SECONDS}s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [
+            {"job_name": "routers", "static_configs": [{"targets": [target]}]},
+            {
+                "job_name": "control-plane",
+                "metrics_path": "/metrics/control-plane",
+                "static_configs": [{"targets": [target]}],
+            },
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    port = free_port()
+    command = [tool("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+               f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+               f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
+    log = (tmp_path / "prometheus.log").open("wb")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _answers(url + "/-/ready"), timeout=30, interval=0.2)
+        yield url
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def client_key(env: dict[str, str]) -> str:
+    done = subprocess.run(
+        [sys.executable, "manage.py", "create_api_key", "dashboard-test"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return done.stdout.strip().splitlines()[-1]
+
+
+def send_traffic(url: str, key: str, stop: threading.Event) -> None:
+    """Streams and plain answers for both models and the alias, with the client's key."""
+    headers = {"Authorization": f"Bearer {key}"}
+    bodies: list[dict[str, Any]] = [
+        {"model": MODEL, "messages": [{"role": "user", "content": "a shared prefix " * 20}]},
+        {"model": OTHER, "prompt": "hello", "max_tokens": 8, "stream": True},
+        {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+    ]
+    with httpx.Client(base_url=url, headers=headers, timeout=10) as client:
+        while not stop.is_set():
+            for body in bodies:
+                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                client.post(path, json=body)
+            time.sleep(0.05)
+
+
+def control_plane_changes(url: str) -> None:
+    """A prefix_aware model (policy decisions) and a rollout rolled back (rollout series)."""
+    with httpx.Client(base_url=url, headers=ADMIN_HEADERS, timeout=10) as admin:
+        policy = {"policy": "prefix_aware"}
+        assert admin.patch(f"/api/models/{MODEL}", json=policy).status_code == 200
+        steps = [{"weight": 50, "hold_seconds": 600}, {"weight": 100, "hold_seconds": 0}]
+        plan = {"alias": ALIAS, "to_target": OTHER, "steps": steps}
+        created = admin.post("/api/rollouts", json=plan)
+        assert created.status_code == 201, created.text
+        plan_id = created.json()["id"]
+        wait_until(lambda: admin.get(f"/api/rollouts/{plan_id}").json()["state"] == "running")
+        time.sleep(3)  # the alias's split is scraped while the plan runs
+        rolled = admin.post(f"/api/rollouts/{plan_id}/rollback")
+        assert rolled.status_code == 200, rolled.text
+
+
+def query(prometheus: str, expr: str) -> list[Any]:
+    answer = httpx.get(prometheus + "/api/v1/query", params={"query": expr}, timeout=10).json()
+    assert answer["status"] == "success", (expr, answer)
+    result: list[Any] = answer["data"]["result"]
+    return result
+
+
+def test_every_dashboard_expression_returns_data(
+    demo: tuple[str, dict[str, str]], prometheus: str
+) -> None:
+    url, env = demo
+    stop = threading.Event()
+    traffic = threading.Thread(target=send_traffic, args=(url, client_key(env), stop))
+    traffic.start()
+    try:
+        control_plane_changes(url)
+        expressions = dashboard_expressions()
+        missing: list[str] = list(expressions)
+
+        def all_answered() -> bool:
+            missing[:] = [expr for expr in expressions if not query(prometheus, expr)]
+            return not missing
+
+        try:
+            wait_until(all_answered, timeout=90, interval=2)
+        except AssertionError:
+            pytest.fail("no data for:\n" + "\n".join(missing))
+    finally:
+        stop.set()
+        traffic.join(timeout=15)
+    # The rules load in the server too, every one evaluates cleanly (the recording group's
+    # first evaluation may take its 30 s interval), and the recording rules produce series.
+    wait_until(lambda: rules_healthy(prometheus), timeout=45, interval=1)
+    # A rate needs two scrapes inside its window before the group's next evaluation.
+    wait_until(
+        lambda: query(prometheus, "controlpanel:router_requests:rate5m"), timeout=75, interval=2
+    )
+
+
+def rules_healthy(prometheus: str) -> bool:
+    groups = httpx.get(prometheus + "/api/v1/rules", timeout=10).json()["data"]["groups"]
+    assert {g["name"] for g in groups} == {"controlpanel-recording", "controlpanel-alerts"}
+    health = [r["health"] for g in groups for r in g["rules"]]
+    assert "err" not in health, groups
+    return all(h == "ok" for h in health)

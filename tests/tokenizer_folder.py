@@ -1,0 +1,64 @@
+"""A real Hugging Face tokenizer folder, trained here with the `tokenizers` library (nothing is
+downloaded): tokenizer.json (BPE over whitespace-split words, `<s>` added in front of a
+plain prompt by its post-processor) and tokenizer_config.json with a chat template in the
+style of the public models' (special tokens, trim_blocks-sensitive tags, raise_exception)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Only system, user and assistant roles are supported') }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>\n"
+    "{{ message['content'] | trim }}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "seven wizards quietly hum a lively tune about packing boxes",
+    "a router sends each prompt where its prefix is cached",
+    "you are a helpful assistant answer briefly and precisely",
+    "tell me about the history of the printing press in europe",
+]
+
+
+def make_tokenizer_folder(folder: Path, *, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    """Train a small BPE tokenizer and save it as a Hugging Face folder; returns `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, min_frequency=1)
+    tokenizer.train_from_iterator(CORPUS * 20, trainer)
+    bos = tokenizer.token_to_id("<s>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", bos)]
+    )
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config: dict[str, object] = {
+        "bos_token": {"content": "<s>", "lstrip": False, "rstrip": False},
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return folder
+
+
+def rendered_chat(messages: list[dict[str, str]], *, generation_prompt: bool = True) -> str:
+    """What CHAT_TEMPLATE renders, written out by hand (the test's independent truth)."""
+    text = "<s>"
+    for message in messages:
+        text += f"<|{message['role']}|>\n{message['content'].strip()}<|end|>\n"
+    return text + ("<|assistant|>\n" if generation_prompt else "")

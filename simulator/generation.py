@@ -72,7 +72,6 @@ async def _respond_whole(sim: Simulator, job: Job, chat: bool, delay: float) -> 
 async def _respond_stream(
     sim: Simulator, request: web.Request, job: Job, chat: bool, delay: float
 ) -> web.StreamResponse:
-    loop = asyncio.get_running_loop()
     resp = web.StreamResponse(headers=SSE_HEADERS)
     try:
         if delay:
@@ -81,7 +80,6 @@ async def _respond_stream(
         await resp.prepare(request)
         await sim.admit(job)
         await _decode(sim, job, resp, SseFrames(job, chat))
-        sim.complete(job, loop.time())
         await resp.write_eof()
     except asyncio.CancelledError:
         sim.cancel(job)
@@ -95,13 +93,18 @@ async def _respond_stream(
 
 
 async def _decode(sim: Simulator, job: Job, resp: web.StreamResponse, frames: SseFrames) -> None:
-    await resp.write(frames.first())
+    """Write the stream; the job is counted complete just before its last frame goes out, so
+    a client that has read `[DONE]` always finds it counted."""
+    loop = asyncio.get_running_loop()
     itl = 0.0 if sim.instant else sim.config.itl_ms / 1000
-    for i in range(1, job.max_tokens):
-        if itl:
+    for i in range(job.max_tokens):
+        if i and itl:
             await asyncio.sleep(itl)
-        await resp.write(frames.token(i))
-        job.produced += 1
+        frame = frames.token(i) if i else frames.first()
+        job.produced = i + 1
+        if job.produced == job.max_tokens:
+            sim.complete(job, loop.time())
+        await resp.write(frame)
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:

@@ -2,7 +2,7 @@
 
 * **Per request.** A request with ``X-Route-Explain: 1`` gets an ``X-Route-Explain`` response
   header: compact JSON with the model asked for and the alias target, the policy and its
-  decision (prefix, load, miss, affinity, overflow, kv, fallback, turn, weighted,
+  decision (prefix, load, miss, affinity, overflow, kv, pending, fallback, turn, weighted,
   two_choices), the chosen worker, up to 8 candidates with the numbers the policy used
   (load; matched prefix bytes; session rank; KV usage and score; weight; admission room),
   and the attempts (each retry, and why it moved on), with `fallbacks` (from, to, reason)

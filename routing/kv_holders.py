@@ -84,16 +84,25 @@ class Holders:
             budget -= swept
 
     def walk(
-        self, mask: int, token_ids: Sequence[int], seed: int, size: int
+        self,
+        mask: int,
+        token_ids: Sequence[int],
+        seed: int,
+        size: int,
+        keys: list[int] | None = None,
     ) -> list[tuple[int, int]]:
         """(worker id, leading blocks held) of each worker in `mask`, from the chain of
         `token_ids` seeded with `seed`. A block is hashed only while some worker still
-        matches: a prompt's tail that nobody holds costs nothing."""
+        matches: a prompt's tail that nobody holds costs nothing. The keys hashed are
+        appended to `keys` when given (kv_aware's pending credit goes on from them)."""
         get = self.map.get
         key, active = seed, mask
         depths: list[tuple[int, int]] = []
+        append = keys.append if keys is not None else None
         for depth, block in enumerate(blocks(token_ids, size)):
             key = hash((key, block))
+            if append is not None:
+                append(key)
             held = get(key, 0) & active
             if held != active:
                 self._split(active ^ held, depth, depths)  # their prefixes end here

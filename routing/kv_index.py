@@ -59,7 +59,7 @@ def chain_hashes(token_ids: Sequence[int], lora: LoraKey, block_size: int) -> li
     """The index's key of each full block of `token_ids`, in order (a partial last block
     is never cached, by vLLM either). :meth:`KvIndex.cached_blocks_all` makes them lazily
     instead, as far as some worker matches."""
-    key = _seed(lora)
+    key = chain_seed(lora)
     keys = []
     for block in blocks(token_ids, block_size):
         key = hash((key, block))
@@ -67,7 +67,8 @@ def chain_hashes(token_ids: Sequence[int], lora: LoraKey, block_size: int) -> li
     return keys
 
 
-def _seed(lora: LoraKey) -> int:
+def chain_seed(lora: LoraKey) -> int:
+    """The key a chain starts from: the base model's, or an adapter's own."""
     return 0 if lora is None else hash(("lora", lora))
 
 
@@ -163,15 +164,21 @@ class KvIndex:
         size = entry.block_size if block_size is None else block_size
         if size != entry.block_size:
             return None
-        return self._holders.walk(entry.bit, token_ids, _seed(lora), size)[0][1]
+        return self._holders.walk(entry.bit, token_ids, chain_seed(lora), size)[0][1]
 
     def cached_blocks_all(
-        self, worker_ids: Iterable[int], token_ids: Sequence[int], lora: LoraKey, block_size: int
+        self,
+        worker_ids: Iterable[int],
+        token_ids: Sequence[int],
+        lora: LoraKey,
+        block_size: int,
+        keys: list[int] | None = None,
     ) -> dict[int, tuple[int, int]]:
         """:meth:`cached_blocks` of every trusted worker among `worker_ids`, each in its own
         block size, as ``{worker id: (blocks, block size)}``; the untrusted are left out.
         `block_size` is the size of a trusted worker with nothing stored yet (0 blocks).
-        One walk of the prompt's chain per block size, for all its workers at once."""
+        One walk of the prompt's chain per block size, for all its workers at once; the
+        chain keys hashed in `block_size` are appended to `keys` when given."""
         found: dict[int, tuple[int, int]] = {}
         masks: dict[int, int] = {}  # block size -> the bits of its trusted workers
         for worker_id in worker_ids:
@@ -182,9 +189,10 @@ class KvIndex:
                 found[worker_id] = (0, block_size)
             else:
                 masks[entry.block_size] = masks.get(entry.block_size, 0) | entry.bit
-        seed = _seed(lora)
+        seed = chain_seed(lora)
         for size, mask in masks.items():
-            for held_by, count in self._holders.walk(mask, token_ids, seed, size):
+            out = keys if size == block_size else None
+            for held_by, count in self._holders.walk(mask, token_ids, seed, size, out):
                 found[held_by] = (count, size)
         return found
 
@@ -347,7 +355,7 @@ class KvIndex:
                 self._reset(entry)  # a reconfigured engine: its old blocks cannot match
             entry.block_size = block_size
         if parent is None:
-            key = _seed(lora)
+            key = chain_seed(lora)
         elif (found := entry.by_vllm.get(parent)) is not None:
             key = found
         else:

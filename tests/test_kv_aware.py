@@ -45,6 +45,9 @@ class Clock:
 
 
 def make(**config: Any) -> KvAwarePolicy:
+    """The rule on the exact index alone: the pending credit is off unless asked for (its
+    own tests below)."""
+    config.setdefault("pending_seconds", 0)
     return KvAwarePolicy(config, clock=Clock(), rng=random.Random(0))
 
 
@@ -314,11 +317,11 @@ def test_the_control_planes_hint_lists_every_knob_with_its_default() -> None:
     knobs = policy_knobs("kv_aware")
     assert sorted(knobs["keys"]) == sorted(
         ["overlap_weight", "load_weight", "balance_abs_threshold", "balance_rel_threshold",
-         "block_size"]
+         "block_size", "pending_seconds"]
     )  # fmt: skip
     assert json.loads(knobs["example"]) == {
         "overlap_weight": 1.0, "load_weight": 8, "balance_abs_threshold": 32,
-        "balance_rel_threshold": 1.1, "block_size": 16,
+        "balance_rel_threshold": 1.1, "block_size": 16, "pending_seconds": 10.0,
     }  # fmt: skip
 
 

@@ -15,14 +15,20 @@ For each worker ``w`` given, with ``n`` prompt tokens and ``B`` = ``block_size``
     prefill(w) = (n - cached(w)) / B        the prompt blocks w would have to compute
     cost(w)    = overlap_weight * prefill(w) + load_weight * load(w)
 
-and the cheapest worker wins (on a tie the less loaded, then at random). ``load`` is
+and the cheapest worker wins (on a tie the less loaded, then at random). A worker's
+``cached`` is the longer of what its events say and what this router credited it with at
+its decisions whose answers have not started yet (routing.policies.kv_pending): the index
+learns a prompt's blocks only once the worker has stored them, so without the credit a
+burst of requests sharing a new prefix would all miss and be spread over every worker, each
+computing the same prefix. ``load`` is
 routing.policies.load's fused signal (every router's requests in flight on the worker plus
 what it reported beyond them), the same in every router. Dynamo writes
 ``overlap_score_weight * prefill_blocks + decode_blocks``, its decode term being the KV
 blocks of the worker's active sequences; the router knows requests, not their blocks, so
 ``load_weight`` says how many blocks of prefill one request in flight is worth.
-Decision ``"kv"``; ``"miss"`` when no worker holds any block of the prompt (the cost is
-then the load alone, so the least loaded wins). A LoRA adapter's blocks are looked up
+Decision ``"kv"``; ``"pending"`` when the winner's cached blocks are this router's credit
+(below) rather than its events; ``"miss"`` when no worker holds any block of the prompt (the
+cost is then the load alone, so the least loaded wins). A LoRA adapter's blocks are looked up
 under its name (the index keys them apart from the base model's, as vLLM does).
 
 Then the load guard, prefix_aware's (the same ``skewed`` behaviour): if the winner is
@@ -71,6 +77,12 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     The block the cost counts in, and a worker's block size until its events state its
     own (vLLM's ``--block-size``; 16 on GPUs). Set it to the workers' block size so the
     weights above mean what they say.
+``pending_seconds`` (number >= 0, default 10.0)
+    The longest the chosen worker is credited with a request's leading blocks (at most
+    256) while its answer has not started: about the longest a request waits for a batch
+    slot. The credit ends sooner, 50 ms after the answer's first byte (the worker's events
+    have shown the blocks by then) or when the attempt fails. 0 routes on the events
+    alone. The credit is this router's; other routers see the blocks from the events.
 
 Cost (bench/kv_aware_cost.py, bench/RESULTS.md): on a 4k-word prompt about 52 µs p50 at
 4 workers and 63 µs at 8 on the 2-core bench machine, mostly one walk of the prompt's
@@ -88,15 +100,16 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from routing.kv_index import KvIndex, LoraKey
+from routing.kv_index import KvIndex, LoraKey, chain_seed
 from routing.policies.base import BasePolicy, Explanation, Prediction, RequestInfo
+from routing.policies.kv_pending import PendingBlocks, extend_chain
 from routing.policies.load import check_keys, integer, number
 from routing.policies.prefix_aware import PrefixAwarePolicy, _held_depth
 from routing.request_text import request_text
 from routing.snapshot import WorkerView
 
 _KNOBS = ("overlap_weight", "load_weight", "balance_abs_threshold", "balance_rel_threshold",
-          "block_size")  # fmt: skip
+          "block_size", "pending_seconds")  # fmt: skip
 
 
 class ApproximateIndex(PrefixAwarePolicy):
@@ -129,7 +142,7 @@ class _Scored:
     """One worker's numbers for one request: the prompt tokens it holds (whole blocks of
     its `size`), whether that is exact, its load and its cost."""
 
-    __slots__ = ("cached", "cost", "exact", "load", "size", "worker")
+    __slots__ = ("cached", "cost", "exact", "load", "pending", "size", "worker")
 
     def __init__(
         self, worker: WorkerView, cached: float, size: int, exact: bool, load: int, cost: float
@@ -137,6 +150,7 @@ class _Scored:
         self.worker, self.cached, self.size, self.exact, self.load, self.cost = (
             worker, cached, size, exact, load, cost
         )  # fmt: skip
+        self.pending = False  # its cached tokens are this router's credit, not yet its events
 
 
 class KvAwarePolicy(BasePolicy):
@@ -159,11 +173,14 @@ class KvAwarePolicy(BasePolicy):
         self.balance_abs_threshold = number(name, cfg, "balance_abs_threshold", 32, minimum=0.0)
         self.balance_rel_threshold = number(name, cfg, "balance_rel_threshold", 1.1, minimum=1.0)
         self.block_size = integer(name, cfg, "block_size", 16, minimum=1)
+        pending_seconds = number(name, cfg, "pending_seconds", 10.0, minimum=0.0)
         self._rng = rng or random.Random()
         guard: dict[str, Any] = {
             k: cfg[k] for k in ("balance_abs_threshold", "balance_rel_threshold") if k in cfg
         }
-        self.approximate = ApproximateIndex(guard, clock=clock or time.monotonic, rng=self._rng)
+        clock = clock or time.monotonic
+        self.approximate = ApproximateIndex(guard, clock=clock, rng=self._rng)
+        self.pending = PendingBlocks(pending_seconds, clock)
         # Set by the router (routing.proxy) to its exact index; None: every worker falls back.
         self.kv_index: KvIndex | None = None
         self.fallbacks: Counter[str] = Counter()
@@ -195,14 +212,22 @@ class KvAwarePolicy(BasePolicy):
         reason = self._fallback_reason(workers, request)
         if reason is not None:
             return self._approximate_select(workers, request, loads, reason)
-        rows, hashes = self._score(workers, request, loads)
+        rows, hashes, keys = self._score(workers, request, loads)
         if hashes is not None:  # someone was scored approximately
             self.fallbacks["unknown_index"] += 1
         decision, best = self._decide(rows)
         if not best.exact and hashes is not None:
             self.approximate.credit_chain(best.worker.id, hashes)
+        elif best.exact and best.size == self.block_size:
+            self.pending.credit(best.worker.id, keys, request)
         self._decided(decision, request, best)
         return best.worker
+
+    def on_first_byte(self, worker: WorkerView, request: RequestInfo) -> None:
+        self.pending.confirm(request)
+
+    def on_request_complete(self, worker: WorkerView, request: RequestInfo, ok: bool) -> None:
+        self.pending.end(request)
 
     def _fallback_reason(self, workers: Sequence[WorkerView], request: RequestInfo) -> str | None:
         return "no_tokens" if request.tokens is None else None
@@ -224,17 +249,20 @@ class KvAwarePolicy(BasePolicy):
 
     def _score(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
-    ) -> tuple[list[_Scored], list[int] | None]:
-        """Every worker's cached prompt tokens (exact where its index knows) and cost, and
-        the prompt's approximate chain if any worker needed it."""
+    ) -> tuple[list[_Scored], list[int] | None, list[int]]:
+        """Every worker's cached prompt tokens (exact where its index knows, or pending from
+        this router's own recent decisions if more) and cost; the prompt's approximate chain
+        if any worker needed it; and its leading chain keys for the pending credit."""
         tokens = request.tokens or ()
         n = len(tokens)
         index = self.kv_index
         lora: LoraKey = request.model if _is_lora(workers[0], request.model) else None
         # One walk of the prompt's chain for every trusted worker (the untrusted are absent).
+        keys: list[int] = []
         found = {} if index is None else index.cached_blocks_all(
-            [worker.id for worker in workers], tokens, lora, self.block_size
+            [worker.id for worker in workers], tokens, lora, self.block_size, keys
         )  # fmt: skip
+        pending = self._pending_depths(found, tokens, lora, keys)
         hashes: list[int] | None = None
         per_block = self.overlap_weight / self.block_size  # the cost of one prompt token
         rows = []
@@ -246,10 +274,32 @@ class KvAwarePolicy(BasePolicy):
                 cached = self.approximate.held_share(worker.id, hashes) * n
             else:
                 cached = exact * size
+            credited = pending.get(worker.id, 0) * size
             load = loads.get(worker.id, 0)
-            cost = per_block * (n - cached) + self.load_weight * load
-            rows.append(_Scored(worker, cached, size, exact is not None, load, cost))
-        return rows, hashes
+            row = _Scored(worker, max(cached, credited), size, exact is not None, load, 0.0)
+            row.pending = credited > cached
+            row.cost = per_block * (n - row.cached) + self.load_weight * load
+            rows.append(row)
+        return rows, hashes, keys
+
+    def _pending_depths(
+        self,
+        found: Mapping[int, tuple[int, int]],
+        tokens: Sequence[int],
+        lora: LoraKey,
+        keys: list[int],
+    ) -> dict[int, int]:
+        """Leading blocks credited to each exactly indexed worker of the policy's block size,
+        with `keys` made up to the credit's length (the walk hashed only what it needed)."""
+        pending = self.pending
+        if pending.seconds <= 0:
+            return {}
+        size = self.block_size
+        upto = min(len(tokens) // size, pending.max_request_blocks)
+        del keys[upto:]
+        extend_chain(keys, tokens, chain_seed(lora), size, upto)
+        same_size = [worker_id for worker_id, (_, s) in found.items() if s == size]
+        return pending.depths(keys, same_size)
 
     def _decide(self, rows: list[_Scored]) -> tuple[str, _Scored]:
         """The cheapest row (ties: least loaded, then random), after the load guard."""
@@ -262,7 +312,9 @@ class KvAwarePolicy(BasePolicy):
             return "load", self._least_loaded([row for row in rows if row.load == low_load])
         if not any(row.cached >= row.size for row in rows):
             return "miss", best
-        return ("kv" if best.exact else "fallback"), best
+        if not best.exact:
+            return "fallback", best
+        return ("pending" if best.pending else "kv"), best
 
     def _least_loaded(self, rows: list[_Scored]) -> _Scored:
         low = min(row.load for row in rows)
@@ -293,17 +345,23 @@ class KvAwarePolicy(BasePolicy):
             told = self.approximate.explain(workers, request, loads)
             rows = [{**row, "fallback": reason} for row in told.candidates]
             return Explanation("fallback", told.worker, rows)
-        scored, _ = self._score(workers, request, loads)
+        scored, _, _ = self._score(workers, request, loads)
         decision, best = self._decide(scored)
         scored.sort(key=lambda r: (r.cost, r.load))
         n = len(request.tokens or ())
         shown = [
             {"worker": r.worker.name, "cached_tokens": int(r.cached), "prompt_tokens": n,
-             "block_size": r.size, "source": "events" if r.exact else "approximate",
+             "block_size": r.size, "source": _source(r),
              "load": r.load, "cost": round(r.cost, 2)}
             for r in scored
         ]  # fmt: skip
         return Explanation(decision, best.worker, shown)
+
+
+def _source(row: _Scored) -> str:
+    if not row.exact:
+        return "approximate"
+    return "pending" if row.pending else "events"
 
 
 def _is_lora(worker: WorkerView, model: str) -> bool:

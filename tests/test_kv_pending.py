@@ -1,0 +1,183 @@
+"""kv_aware's pending credit (routing.policies.kv_pending): the chosen worker is credited with
+a request's leading blocks until its own KV events show them, so a burst sharing a new
+prefix stays on one worker instead of being spread over all. Pure unit tests."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+from routing.kv_index import KvIndex, chain_hashes, chain_seed
+from routing.policies.kv_aware import KvAwarePolicy
+from routing.policies.kv_pending import PendingBlocks, extend_chain
+from routing.snapshot import ModelEntry
+from tests.factories import worker_view
+from tests.test_kv_aware import BLOCK, Clock, ask, fleet, holds, request, tokens
+
+
+def pending_policy(n: int, **config: Any) -> tuple[KvAwarePolicy, Clock, KvIndex]:
+    """A policy over n workers whose exact indexes are all trusted and empty."""
+    clock = Clock()
+    policy, index = KvAwarePolicy(config, clock=clock, rng=random.Random(0)), KvIndex()
+    policy.kv_index = index
+    for worker_id in range(n):
+        index.clear(worker_id)
+    return policy, clock, index
+
+
+def burst(policy: KvAwarePolicy, n_workers: int, prefix: list[int], count: int) -> Counter[int]:
+    """`count` requests sharing `prefix`, each counted in flight on its worker, no events."""
+    workers, loads = fleet(n_workers), dict.fromkeys(range(n_workers), 0)
+    chosen: Counter[int] = Counter()
+    for i in range(count):
+        worker = ask(policy, workers, request([*prefix, *tokens(50 + i, BLOCK)]), loads)
+        loads[worker.id] += 1
+        chosen[worker.id] += 1
+    return chosen
+
+
+def test_a_burst_sharing_a_new_prefix_stays_on_one_worker() -> None:
+    prefix = tokens(1, 64 * BLOCK)
+    policy, _, _ = pending_policy(4)
+    # 64 blocks saved outweigh 8 requests in flight (load_weight 8): all 8 go together.
+    assert list(burst(policy, 4, prefix, 8).values()) == [8]
+    assert policy.decisions == {"miss": 1, "pending": 7}
+    assert policy.last_prediction is not None and policy.last_prediction.tokens == 64 * BLOCK
+    # Without the credit the index knows nothing yet and load spreads them over every worker.
+    off, _, _ = pending_policy(4, pending_seconds=0)
+    assert sorted(burst(off, 4, prefix, 8).values()) == [2, 2, 2, 2]
+
+
+def test_the_credit_ends_soon_after_the_answer_starts() -> None:
+    prefix = tokens(1, 32 * BLOCK)
+    policy, clock, index = pending_policy(3)
+    workers, loads = fleet(3), {0: 0, 1: 0, 2: 0}
+    first_request, second_request, third_request = (request(prefix) for _ in range(3))
+    first = ask(policy, workers, first_request, loads)
+    loads[first.id] = 1
+    clock.now += 3  # prefilling: no event yet, the credit stands
+    assert ask(policy, workers, second_request, loads).id == first.id
+    assert policy.last_decision == "pending"
+    policy.on_request_complete(first, second_request, True)
+    policy.on_first_byte(first, first_request)
+    clock.now += 0.04  # the events are still on their way
+    assert ask(policy, workers, third_request, loads).id == first.id
+    policy.on_request_complete(first, third_request, True)
+    clock.now += 0.02  # the answer started 60 ms ago and the events never showed the blocks
+    assert ask(policy, workers, request(prefix), loads).id != first.id
+    assert policy.last_decision == "miss"
+    # What the events say stands on its own once they come.
+    holds(index, first.id, prefix)
+    assert ask(policy, workers, request(prefix), {}).id == first.id
+    assert policy.last_decision == "kv"
+
+
+def test_a_failed_attempt_ends_its_credit_and_a_retry_moves_it() -> None:
+    prefix = tokens(1, 32 * BLOCK)
+    policy, _, _ = pending_policy(2)
+    workers, retried = fleet(2), request(prefix)
+    first = ask(policy, workers, retried, {})
+    policy.on_request_complete(first, retried, False)  # failed before its first byte
+    assert len(policy.pending) == 0
+    second = ask(policy, workers, retried, {first.id: 5})
+    assert second.id != first.id
+    assert policy.pending.depths(chain_hashes(prefix, None, BLOCK), [0, 1]) == {second.id: 32}
+
+
+def test_the_credit_lapses_after_pending_seconds_if_no_answer_starts() -> None:
+    prefix = tokens(1, 32 * BLOCK)
+    policy, clock, _ = pending_policy(2, pending_seconds=2)
+    workers = fleet(2)
+    first = ask(policy, workers, request(prefix), {})
+    clock.now += 1.9
+    assert ask(policy, workers, request(prefix), {first.id: 1}).id == first.id
+    clock.now += 2.1  # both lapsed
+    ask(policy, workers, request(prefix), {first.id: 1})
+    assert policy.last_decision == "miss"
+
+
+def test_the_events_win_where_they_hold_more_than_the_credit() -> None:
+    prefix = tokens(1, 40 * BLOCK)
+    policy, _, index = pending_policy(2)
+    workers = fleet(2)
+    credited = ask(policy, workers, request(prefix[: 10 * BLOCK]), {}).id
+    other = 1 - credited
+    holds(index, other, prefix)
+    assert ask(policy, workers, request(prefix), {}).id == other
+    assert policy.last_decision == "kv"
+
+
+def test_explain_shows_the_credit_and_credits_nothing() -> None:
+    prefix = tokens(1, 20 * BLOCK)
+    policy, _, _ = pending_policy(2)
+    workers = fleet(2)
+    chosen = ask(policy, workers, request(prefix), {})
+    credited = len(policy.pending)
+    told = policy.explain(workers, request([*prefix, 1]), {})
+    assert told.decision == "pending" and told.worker is not None and told.worker.id == chosen.id
+    row = told.candidates[0]
+    assert row["worker"] == chosen.name and row["source"] == "pending"
+    assert row["cached_tokens"] == 20 * BLOCK
+    assert told.candidates[1]["source"] == "events" and told.candidates[1]["cached_tokens"] == 0
+    assert len(policy.pending) == credited
+
+
+def test_an_adapters_credit_never_matches_the_base_model() -> None:
+    lora = (ModelEntry("m"), ModelEntry("m-lora", parent="m"))
+    workers = [worker_view(i, models=lora) for i in range(2)]
+    policy, _, _ = pending_policy(2)
+    prompt = tokens(1, 20 * BLOCK)
+    ask(policy, workers, request(prompt, model="m-lora"), {})
+    ask(policy, workers, request(prompt, model="m"), {})
+    assert policy.last_decision == "miss"
+    ask(policy, workers, request(prompt, model="m-lora"), {})
+    assert policy.last_decision == "pending"
+
+
+def test_depths_are_each_workers_longest_credited_prefix() -> None:
+    clock = Clock()
+    pending = PendingBlocks(5, clock)
+    keys = chain_hashes(tokens(1, 12 * BLOCK), None, BLOCK)
+    pending.credit(1, keys[:3], "a")
+    pending.credit(2, keys[:10], "b")
+    pending.credit(2, keys[:5], "c")  # a shorter credit beside the longer one
+    pending.credit(3, chain_hashes(tokens(2, 4 * BLOCK), None, BLOCK), "d")
+    assert pending.depths(keys, [1, 2, 3, 4]) == {1: 3, 2: 10}
+    pending.end("b")  # the shorter credit keeps its blocks when the longer one ends
+    assert pending.depths(keys, [1, 2]) == {1: 3, 2: 5}
+    pending.confirm("c")
+    clock.now += 0.049
+    assert pending.depths(keys, [2]) == {2: 5}
+    clock.now += 0.002
+    assert pending.depths(keys, [2]) == {}
+    clock.now += 5  # every credit has lapsed
+    assert pending.depths(keys, [1, 2]) == {} and len(pending) == 0
+
+
+def test_memory_is_bounded_oldest_credits_first() -> None:
+    clock = Clock()
+    pending = PendingBlocks(60, clock, max_blocks=100)
+    for tag in range(20):
+        clock.now += 0.1
+        pending.credit(tag % 4, chain_hashes(tokens(tag, 10 * BLOCK), None, BLOCK), tag)
+    assert len(pending) == 100
+    oldest = chain_hashes(tokens(0, 10 * BLOCK), None, BLOCK)
+    newest = chain_hashes(tokens(19, 10 * BLOCK), None, BLOCK)
+    assert pending.depths(oldest, range(4)) == {} and pending.depths(newest, range(4)) == {3: 10}
+
+
+def test_a_request_is_credited_its_leading_blocks_only() -> None:
+    policy, _, _ = pending_policy(2)
+    ask(policy, fleet(2), request(tokens(1, 300 * BLOCK + 5)), {})
+    assert len(policy.pending) == policy.pending.max_request_blocks == 256
+
+
+def test_extend_chain_goes_on_from_the_walks_keys() -> None:
+    ids = tokens(3, 9 * BLOCK + 3)
+    whole = chain_hashes(ids, "a", BLOCK)
+    keys = whole[:4]
+    extend_chain(keys, ids, chain_seed("a"), BLOCK, 9)
+    assert keys == whole
+    extend_chain(keys, ids, 0, BLOCK, 5)  # already long enough: unchanged
+    assert keys == whole

@@ -324,6 +324,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="prefix_aware's policy_config as JSON "
         f"(default {json.dumps(POLICY_CONFIGS['prefix_aware'])})",
     )
+    parser.add_argument(
+        "--kv-config",
+        type=json.loads,
+        default=POLICY_CONFIGS["kv_aware"],
+        help=f"kv_aware's policy_config as JSON (default {json.dumps(POLICY_CONFIGS['kv_aware'])})",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.prefill_ms_per_block <= 100:
         parser.error("--prefill-ms-per-block must be between 0 and 100")
@@ -344,6 +350,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     POLICY_CONFIGS["prefix_aware"] = args.prefix_config
+    POLICY_CONFIGS["kv_aware"] = args.kv_config
     started = time.monotonic()
     measured = harness.run_with_fleet(partial(benchmark, args))
     if measured is None:

@@ -1,10 +1,12 @@
 """Tokens and text: prompts become whitespace-separated words (chat: each message's role, then
-its text), token ids come from a bounded vocabulary, and output is a deterministic cycle of
-filler words. With a tokenizer folder (``--tokenizer``), prompts are that tokenizer's ids
-instead, chat templates rendered as vLLM renders them (simulator.hf_tokenizer)."""
+its text), a word's token id is a hash of it (the same in every simulator process, as one
+model's tokenizer is on every worker), and output is a deterministic cycle of filler words.
+With a tokenizer folder (``--tokenizer``), prompts are that tokenizer's ids instead, chat
+templates rendered as vLLM renders them (simulator.hf_tokenizer)."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Hashable, Iterable
 from functools import lru_cache
 from typing import Any
@@ -17,12 +19,15 @@ _WORDS = (
     "seven", "wizards", "quietly", "hum", "a", "lively", "tune", "about", "packing", "boxes",
 )  # fmt: skip
 WORDS_B = tuple(w.encode() + b" " for w in _WORDS)
-_VOCAB_CAP = 1 << 16
+_VOCAB_SIZE = 150_000  # about a large model's vocabulary; id 0 is <unk>
+_SEEN_CAP = 1 << 16
 
-# Bounded so that benchmarks with random prompts cannot grow memory without limit;
-# words past the cap all map to <unk>.
-_vocab: dict[str, int] = {"<unk>": 0}
-_vocab_words: list[str] = ["<unk>"]
+# A word's id is a hash of the word, the same in every simulator process, as a model's
+# tokenizer is the same on every worker: a router that tokenizes on one worker must find the
+# same ids in every worker's KV events. Two words may share an id (rarely): that only merges
+# them. The words seen are kept for /detokenize, bounded so that benchmarks with random
+# prompts cannot grow memory without limit.
+_seen: dict[int, str] = {}
 
 
 @lru_cache(maxsize=256)
@@ -32,12 +37,9 @@ def output_text(n: int) -> str:
 
 
 def token_id(word: str) -> int:
-    tid = _vocab.get(word)
-    if tid is None:
-        if len(_vocab_words) >= _VOCAB_CAP:
-            return 0
-        tid = _vocab[word] = len(_vocab_words)
-        _vocab_words.append(word)
+    tid = zlib.crc32(word.encode()) % (_VOCAB_SIZE - 1) + 1
+    if len(_seen) < _SEEN_CAP:
+        _seen.setdefault(tid, word)
     return tid
 
 
@@ -48,8 +50,7 @@ def token_ids(words: Iterable[Hashable]) -> list[int]:
 
 
 def detokenize_ids(ids: Iterable[int]) -> str:
-    n = len(_vocab_words)
-    return " ".join(_vocab_words[i] if 0 <= i < n else "<unk>" for i in ids)
+    return " ".join(_seen.get(i, "<unk>") for i in ids)
 
 
 def chat_tokens(messages: Any) -> list[Hashable]:

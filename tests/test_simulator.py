@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -402,3 +404,23 @@ def test_instant_mode_serves_many_requests_quickly() -> None:
         assert sim.state.completed == 50
 
     run(SimConfig(ttft_ms=0, itl_ms=0), scenario)
+
+
+def test_every_simulator_process_gives_a_word_the_same_token_id() -> None:
+    """As one model's tokenizer is the same on every worker: a router that tokenizes on one
+    worker must find those ids in every other worker's KV events (a per-process vocabulary,
+    numbered in order of first use, made kv_aware miss on every worker but one)."""
+    from simulator.tokens import detokenize_ids, token_ids
+
+    words = ["shared", "system", "prompt", "of", "a", "group"]
+    here = token_ids(words)
+    script = (
+        "from simulator.tokens import token_ids; "
+        f"token_ids({list(reversed(words))!r}); print(token_ids({words!r}))"
+    )
+    there = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout
+    assert orjson.loads(there) == here
+    assert len(set(here)) == len(words) and 0 not in here
+    assert detokenize_ids(here) == " ".join(words)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import random
 import statistics
 import subprocess
@@ -47,11 +46,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import free_ports, machine_info, write_json
+from bench.tokenizer_folder import build_tokenizer_folder
 from routing.kv_index import KvIndex
 from routing.policies.base import RequestInfo
 from routing.policies.kv_aware import KvAwarePolicy
@@ -61,25 +60,6 @@ from routing.tokenize import CHAT_PATH, LocalTokenizer, RequestTokens
 
 WORDS = 4000
 BLOCK = 16
-TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
-    "{{ message['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-
-def tokenizer_folder(root: Path, vocabulary: list[str]) -> Path:
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    specials = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=specials, show_progress=False)
-    rng = random.Random(1)
-    corpus = (" ".join(rng.choices(vocabulary, k=50)) for _ in range(2000))
-    tokenizer.train_from_iterator(corpus, trainer)
-    tokenizer.save(str(root / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE}
-    (root / "tokenizer_config.json").write_text(json.dumps(config))
-    return root
 
 
 def vocabulary(n: int = 400) -> list[str]:
@@ -188,7 +168,7 @@ def run(workers: int, calls: int, repeats: int) -> dict[str, Any]:
     prompt = " ".join(rng.choices(words, k=WORDS))
     body = {"model": "m", "messages": [{"role": "user", "content": prompt}]}
     with tempfile.TemporaryDirectory() as tmp:
-        local = LocalTokenizer(str(tokenizer_folder(Path(tmp), words)))
+        local = LocalTokenizer(str(build_tokenizer_folder(Path(tmp), words)))
     ids = local.chat(body)
     assert ids is not None
     fleet_ = fleet(workers)

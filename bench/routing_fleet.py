@@ -86,6 +86,7 @@ def start_sim(
     cache_blocks: int,
     prefill_ms_per_block: float,
     kv_ports: tuple[int, int] | None = None,
+    tokenizer: str = "",
 ) -> None:
     fleet.spawn(
         name,
@@ -96,6 +97,7 @@ def start_sim(
             "--max-batch", str(MAX_BATCH), "--cache-blocks", str(cache_blocks),
             "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
             "--default-max-tokens", str(MAX_TOKENS), *kv_args(kv_ports),
+            *(["--tokenizer", tokenizer] if tokenizer else []),
         ],
     )  # fmt: skip
 
@@ -113,9 +115,15 @@ def start_celery(fleet: harness.Fleet) -> None:
 
 
 async def start_fleet(
-    proc: harness.Fleet, cache_blocks: int, prefill_ms_per_block: float, kv: bool = False
+    proc: harness.Fleet,
+    cache_blocks: int,
+    prefill_ms_per_block: float,
+    kv: bool = False,
+    tokenizer: str = "",
 ) -> Fleet:
-    """The workers (publishing KV events with `kv`), the router, Celery and the floor."""
+    """The workers (publishing KV events with `kv`), the router, Celery and the floor. With
+    `tokenizer` (a folder), workers and router tokenize with it (routing.tokenize's local
+    path: no /tokenize hop)."""
     # One call: ports from separate calls can coincide (each is released before the next).
     every = harness.free_ports(N_WORKERS + 1 + (2 * N_WORKERS if kv else 0))
     ports, kv_ports = every[: N_WORKERS + 1], every[N_WORKERS + 1 :]
@@ -123,7 +131,7 @@ async def start_fleet(
     for i, port in enumerate(ports[1:]):
         start_sim(
             proc, f"worker{i}", port, cache_blocks, prefill_ms_per_block,
-            pairs[i] if kv else None,
+            pairs[i] if kv else None, tokenizer,
         )  # fmt: skip
     proc.env.update(
         CONTROLPANEL_PROBE_INTERVAL=str(PROBE_INTERVAL_S),
@@ -155,11 +163,33 @@ async def start_fleet(
         await harness.register_workers(session, proc, router, workers, extra=extra)
         if kv:
             await wait_kv_ready(session, proc, router, workers)
+        if tokenizer:
+            await use_tokenizer(session, proc, router, tokenizer)
         async with session.get(f"{router}/list_workers") as resp:
             listed = orjson.loads(await resp.read())["workers"]
     by_url = {w["url"].rstrip("/"): w["id"] for w in listed}
     ids = [by_url[u] for u in workers]
     return Fleet(proc, router, router_pid, workers, ids, cache_blocks, floor, floor_pid, endpoints)
+
+
+async def use_tokenizer(
+    session: aiohttp.ClientSession, proc: harness.Fleet, router: str, folder: str
+) -> None:
+    """Name the folder as the model's tokenizer and wait until the router has loaded it."""
+    headers = {"Authorization": f"Bearer {proc.token}", **JSON_HEADERS}
+    body = orjson.dumps({"tokenizer": folder})
+    async with session.patch(f"{router}/api/models/{MODEL}", data=body, headers=headers) as r:
+        if r.status != 200:
+            raise RuntimeError(f"PATCH tokenizer: {r.status} {await r.text()}")
+
+    async def loaded() -> bool:
+        async with session.get(f"{router}/health") as resp:
+            state = orjson.loads(await resp.read()).get("tokenizers", {}).get(folder)
+        if state not in (None, "loading", "loaded"):
+            raise RuntimeError(f"the router cannot use {folder}: {state}")
+        return state == "loaded"
+
+    await harness.wait_until(f"tokenizer {folder} loaded", loaded, proc, timeout=30)
 
 
 async def wait_kv_ready(

@@ -119,11 +119,14 @@ from bench.routing_workloads import (
     SEED,
     WORKLOADS,
     Scale,
+    Session,
     Workload,
     build_workloads,
     sizing_lines,
     working_set,
 )
+from bench.tokenizer_folder import build_word_tokenizer_folder
+from simulator.tokens import output_text
 
 DEFAULT_ROUNDS = 3
 
@@ -233,6 +236,10 @@ async def run_affinity(
     return affinity
 
 
+def session_words(session: Session) -> list[str]:
+    return " ".join([session.system or "", *session.turns]).split()
+
+
 async def benchmark(args: argparse.Namespace, proc: harness.Fleet) -> dict[str, Any]:
     scale = QUICK if args.quick else FULL
     workloads = all_workloads(scale, args.kv)
@@ -241,9 +248,16 @@ async def benchmark(args: argparse.Namespace, proc: harness.Fleet) -> dict[str, 
         log(line)
     kv = " publishing KV events" if args.kv else ""
     log(f"starting {N_WORKERS} simulated workers{kv} and the router ...")
+    tokenizer = ""
+    if args.tokenizer:
+        words = {w for load in workloads.values() for s in load.sessions for w in session_words(s)}
+        vocabulary = sorted(words | set(output_text(MAX_TOKENS).split()))
+        tokenizer = str(build_word_tokenizer_folder(proc.tmp / "tokenizer", vocabulary))
+        log(f"tokenizer folder {tokenizer}: one token per word, {len(vocabulary)} words")
     fleet = await start_fleet(
-        proc, ws["cache_blocks_per_worker"], args.prefill_ms_per_block, kv=args.kv
-    )
+        proc, ws["cache_blocks_per_worker"], args.prefill_ms_per_block, kv=args.kv,
+        tokenizer=tokenizer,
+    )  # fmt: skip
     results: list[RunResult] = []
     details: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
@@ -330,7 +344,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=POLICY_CONFIGS["kv_aware"],
         help=f"kv_aware's policy_config as JSON (default {json.dumps(POLICY_CONFIGS['kv_aware'])})",
     )
+    parser.add_argument(
+        "--tokenizer",
+        action="store_true",
+        help="with --kv: a tokenizer folder trained here on the workload's words, loaded by "
+        "the workers (--tokenizer) and the router (the model's tokenizer): kv_aware "
+        "tokenizes locally instead of one /tokenize hop per request",
+    )
     args = parser.parse_args(argv)
+    if args.tokenizer and not args.kv:
+        parser.error("--tokenizer needs --kv")
     if not 0 <= args.prefill_ms_per_block <= 100:
         parser.error("--prefill-ms-per-block must be between 0 and 100")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

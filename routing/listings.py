@@ -154,6 +154,9 @@ def health_report(app: RouterApp) -> dict[str, Any]:
         # Routing state shared with the other routers (routing.fleet_sync); local while down.
         "shared_state": app.sync.status() if app.sync is not None else None,
         "inflight": sum(app.inflight.values()),
+        # Each tokenizer folder a model names (kv_aware's local tokens): loaded, loading, or
+        # why it cannot be used (the worker's /tokenize serves meanwhile).
+        "tokenizers": app.tokens.status(),
     }
 
 

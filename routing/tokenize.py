@@ -201,6 +201,13 @@ class RequestTokens:
         else:
             self._by_folder[folder] = result
 
+    def status(self) -> dict[str, str]:
+        """Each folder: "loaded", "loading", or why it could not be loaded."""
+        state = dict.fromkeys(self._by_folder, "loaded")
+        state.update(dict.fromkeys(self._loading, "loading"))
+        state.update(self.load_errors)
+        return state
+
     def local(self, route: ModelRoute) -> LocalTokenizer | None:
         return self._by_folder.get(route.tokenizer) if route.tokenizer else None
 

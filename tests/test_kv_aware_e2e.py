@@ -315,6 +315,7 @@ def test_a_local_tokenizer_that_agrees_with_the_engine_routes_exactly_without_a_
         return metric(router, tokenized, **local) >= 1
 
     wait_until(tokenized_here, timeout=20)  # the folder loads on a thread, then is used
+    assert router.get("/health").json()["tokenizers"] == {str(folder): "loaded"}
     holder = workers[max(range(2), key=lambda i: served(sims)[i])]
     hops = metric(router, tokenized, model=model, outcome="worker")
     before, (count, within) = served(sims), checked(router, model, "kv_aware")

@@ -89,23 +89,25 @@ class Holders:
         token_ids: Sequence[int],
         seed: int,
         size: int,
-        keys: list[int] | None = None,
+        next_keys: dict[int, int] | None = None,
     ) -> list[tuple[int, int]]:
         """(worker id, leading blocks held) of each worker in `mask`, from the chain of
         `token_ids` seeded with `seed`. A block is hashed only while some worker still
-        matches: a prompt's tail that nobody holds costs nothing. The keys hashed are
-        appended to `keys` when given (kv_aware's pending credit goes on from them)."""
+        matches: a prompt's tail that nobody holds costs nothing. With `next_keys`, each
+        worker's first block not held is given by its key (kv_aware's pending credit goes
+        on from there), absent when it holds every full block."""
         get = self.map.get
         key, active = seed, mask
         depths: list[tuple[int, int]] = []
-        append = keys.append if keys is not None else None
         for depth, block in enumerate(blocks(token_ids, size)):
             key = hash((key, block))
-            if append is not None:
-                append(key)
             held = get(key, 0) & active
             if held != active:
+                ended = len(depths)
                 self._split(active ^ held, depth, depths)  # their prefixes end here
+                if next_keys is not None:
+                    for worker_id, _ in depths[ended:]:
+                        next_keys[worker_id] = key
                 active = held
                 if not active:
                     return depths

@@ -172,13 +172,14 @@ class KvIndex:
         token_ids: Sequence[int],
         lora: LoraKey,
         block_size: int,
-        keys: list[int] | None = None,
+        next_keys: dict[int, int] | None = None,
     ) -> dict[int, tuple[int, int]]:
         """:meth:`cached_blocks` of every trusted worker among `worker_ids`, each in its own
         block size, as ``{worker id: (blocks, block size)}``; the untrusted are left out.
         `block_size` is the size of a trusted worker with nothing stored yet (0 blocks).
-        One walk of the prompt's chain per block size, for all its workers at once; the
-        chain keys hashed in `block_size` are appended to `keys` when given."""
+        One walk of the prompt's chain per block size, for all its workers at once. With
+        `next_keys`, the chain key of the first block each worker of `block_size` does not
+        hold (Holders.walk)."""
         found: dict[int, tuple[int, int]] = {}
         masks: dict[int, int] = {}  # block size -> the bits of its trusted workers
         for worker_id in worker_ids:
@@ -191,7 +192,7 @@ class KvIndex:
                 masks[entry.block_size] = masks.get(entry.block_size, 0) | entry.bit
         seed = chain_seed(lora)
         for size, mask in masks.items():
-            out = keys if size == block_size else None
+            out = next_keys if size == block_size else None
             for held_by, count in self._holders.walk(mask, token_ids, seed, size, out):
                 found[held_by] = (count, size)
         return found

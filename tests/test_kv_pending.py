@@ -8,9 +8,9 @@ import random
 from collections import Counter
 from typing import Any
 
-from routing.kv_index import KvIndex, chain_hashes, chain_seed
+from routing.kv_index import KvIndex, chain_hashes
 from routing.policies.kv_aware import KvAwarePolicy
-from routing.policies.kv_pending import PendingBlocks, extend_chain
+from routing.policies.kv_pending import LazyChain, PendingBlocks
 from routing.snapshot import ModelEntry
 from tests.factories import worker_view
 from tests.test_kv_aware import BLOCK, Clock, ask, fleet, holds, request, tokens
@@ -82,7 +82,7 @@ def test_a_failed_attempt_ends_its_credit_and_a_retry_moves_it() -> None:
     assert len(policy.pending) == 0
     second = ask(policy, workers, retried, {first.id: 5})
     assert second.id != first.id
-    assert policy.pending.depths(chain_hashes(prefix, None, BLOCK), [0, 1]) == {second.id: 32}
+    assert policy.pending.depths({0: chain(prefix), 1: chain(prefix)}) == {second.id: 32}
 
 
 def test_the_credit_lapses_after_pending_seconds_if_no_answer_starts() -> None:
@@ -135,24 +135,49 @@ def test_an_adapters_credit_never_matches_the_base_model() -> None:
     assert policy.last_decision == "pending"
 
 
-def test_depths_are_each_workers_longest_credited_prefix() -> None:
+def chain(ids: list[int], start: int = 0, end: int | None = None) -> LazyChain:
+    """The chain of `ids` from block `start`, its first key made the index's way."""
+    keys = chain_hashes(ids, None, BLOCK)
+    return LazyChain(ids, BLOCK, start, keys[start], len(keys) if end is None else end)
+
+
+def test_depths_are_each_workers_longest_credited_run() -> None:
     clock = Clock()
     pending = PendingBlocks(5, clock)
-    keys = chain_hashes(tokens(1, 12 * BLOCK), None, BLOCK)
-    pending.credit(1, keys[:3], "a")
-    pending.credit(2, keys[:10], "b")
-    pending.credit(2, keys[:5], "c")  # a shorter credit beside the longer one
-    pending.credit(3, chain_hashes(tokens(2, 4 * BLOCK), None, BLOCK), "d")
-    assert pending.depths(keys, [1, 2, 3, 4]) == {1: 3, 2: 10}
+    ids = tokens(1, 12 * BLOCK)
+    pending.credit(1, chain(ids, end=3), "a")
+    pending.credit(2, chain(ids, end=10), "b")
+    pending.credit(2, chain(ids, end=5), "c")  # a shorter credit beside the longer one
+    pending.credit(3, chain(tokens(2, 4 * BLOCK)), "d")
+    asked = dict.fromkeys([1, 2, 3, 4], chain(ids))
+    assert pending.depths(asked) == {1: 3, 2: 10} and pending.blocks == 22
     pending.end("b")  # the shorter credit keeps its blocks when the longer one ends
-    assert pending.depths(keys, [1, 2]) == {1: 3, 2: 5}
+    assert pending.depths({1: chain(ids), 2: chain(ids)}) == {1: 3, 2: 5}
     pending.confirm("c")
     clock.now += 0.049
-    assert pending.depths(keys, [2]) == {2: 5}
+    assert pending.depths({2: chain(ids)}) == {2: 5}
     clock.now += 0.002
-    assert pending.depths(keys, [2]) == {}
+    assert pending.depths({2: chain(ids)}) == {}
     clock.now += 5  # every credit has lapsed
-    assert pending.depths(keys, [1, 2]) == {} and len(pending) == 0
+    assert pending.depths({1: chain(ids)}) == {} and len(pending) == pending.blocks == 0
+
+
+def test_a_credit_counts_from_where_the_asking_worker_stops() -> None:
+    pending = PendingBlocks(5, Clock())
+    ids = tokens(1, 40 * BLOCK)
+    pending.credit(1, chain(ids, start=30), "a")  # its events showed blocks 0-29
+    assert pending.depths({1: chain(ids, start=30)}) == {1: 10}
+    assert pending.depths({1: chain(ids, start=29)}) == {}  # block 29 evicted since
+    other = [*ids[: 35 * BLOCK], *tokens(2, 5 * BLOCK)]  # shares blocks 0-34 only
+    assert pending.depths({1: chain(other, start=30)}) == {1: 5}
+
+
+def test_keys_are_hashed_only_when_compared() -> None:
+    ids = tokens(3, 9 * BLOCK + 3)
+    whole = chain_hashes(ids, None, BLOCK)
+    lazy = chain(ids, start=2)
+    assert len(lazy) == 7 and lazy.key(0) == whole[2]
+    assert lazy.key(6) == whole[8] and lazy.key(3) == whole[5]
 
 
 def test_memory_is_bounded_oldest_credits_first() -> None:
@@ -160,24 +185,26 @@ def test_memory_is_bounded_oldest_credits_first() -> None:
     pending = PendingBlocks(60, clock, max_blocks=100)
     for tag in range(20):
         clock.now += 0.1
-        pending.credit(tag % 4, chain_hashes(tokens(tag, 10 * BLOCK), None, BLOCK), tag)
-    assert len(pending) == 100
-    oldest = chain_hashes(tokens(0, 10 * BLOCK), None, BLOCK)
-    newest = chain_hashes(tokens(19, 10 * BLOCK), None, BLOCK)
-    assert pending.depths(oldest, range(4)) == {} and pending.depths(newest, range(4)) == {3: 10}
+        pending.credit(tag % 4, chain(tokens(tag, 10 * BLOCK)), tag)
+    assert pending.blocks == 100 and len(pending) == 10
+    everyone = range(4)
+    assert pending.depths(dict.fromkeys(everyone, chain(tokens(0, 10 * BLOCK)))) == {}
+    assert pending.depths(dict.fromkeys(everyone, chain(tokens(19, 10 * BLOCK)))) == {3: 10}
 
 
 def test_a_request_is_credited_its_leading_blocks_only() -> None:
     policy, _, _ = pending_policy(2)
     ask(policy, fleet(2), request(tokens(1, 300 * BLOCK + 5)), {})
-    assert len(policy.pending) == policy.pending.max_request_blocks == 256
+    assert policy.pending.blocks == policy.pending.max_request_blocks == 256
 
 
-def test_extend_chain_goes_on_from_the_walks_keys() -> None:
-    ids = tokens(3, 9 * BLOCK + 3)
-    whole = chain_hashes(ids, "a", BLOCK)
-    keys = whole[:4]
-    extend_chain(keys, ids, chain_seed("a"), BLOCK, 9)
-    assert keys == whole
-    extend_chain(keys, ids, 0, BLOCK, 5)  # already long enough: unchanged
-    assert keys == whole
+def test_only_blocks_past_what_the_events_show_are_credited() -> None:
+    prefix = tokens(1, 40 * BLOCK)
+    policy, _, index = pending_policy(2)
+    workers = fleet(2)
+    holds(index, 1, prefix[: 30 * BLOCK])
+    assert ask(policy, workers, request(prefix), {}).id == 1
+    assert policy.pending.blocks == 10  # blocks 30-39: the events show the rest
+    assert ask(policy, workers, request([*prefix, 5]), {}).id == 1
+    assert policy.last_decision == "pending" and policy.last_prediction is not None
+    assert policy.last_prediction.tokens == 40 * BLOCK

@@ -78,11 +78,12 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     own (vLLM's ``--block-size``; 16 on GPUs). Set it to the workers' block size so the
     weights above mean what they say.
 ``pending_seconds`` (number >= 0, default 10.0)
-    The longest the chosen worker is credited with a request's leading blocks (at most
-    256) while its answer has not started: about the longest a request waits for a batch
-    slot. The credit ends sooner, 50 ms after the answer's first byte (the worker's events
-    have shown the blocks by then) or when the attempt fails. 0 routes on the events
-    alone. The credit is this router's; other routers see the blocks from the events.
+    The longest the chosen worker is credited with a request's blocks past those its
+    events show (up to the prompt's 256th) while its answer has not started: about the
+    longest a request waits for a batch slot. The credit ends sooner, 50 ms after the
+    answer's first byte (the worker's events have shown the blocks by then), or when the
+    attempt fails. 0 routes on the events alone. The credit is this router's; other
+    routers see the blocks from the events.
 
 Cost (bench/kv_aware_cost.py, bench/RESULTS.md): on a 4k-word prompt about 52 µs p50 at
 4 workers and 63 µs at 8 on the 2-core bench machine, mostly one walk of the prompt's
@@ -102,7 +103,7 @@ from typing import Any
 
 from routing.kv_index import KvIndex, LoraKey, chain_seed
 from routing.policies.base import BasePolicy, Explanation, Prediction, RequestInfo
-from routing.policies.kv_pending import PendingBlocks, extend_chain
+from routing.policies.kv_pending import LazyChain, PendingBlocks
 from routing.policies.load import check_keys, integer, number
 from routing.policies.prefix_aware import PrefixAwarePolicy, _held_depth
 from routing.request_text import request_text
@@ -150,7 +151,7 @@ class _Scored:
         self.worker, self.cached, self.size, self.exact, self.load, self.cost = (
             worker, cached, size, exact, load, cost
         )  # fmt: skip
-        self.pending = False  # its cached tokens are this router's credit, not yet its events
+        self.pending = False  # some of its cached tokens are this router's credit
 
 
 class KvAwarePolicy(BasePolicy):
@@ -212,14 +213,14 @@ class KvAwarePolicy(BasePolicy):
         reason = self._fallback_reason(workers, request)
         if reason is not None:
             return self._approximate_select(workers, request, loads, reason)
-        rows, hashes, keys = self._score(workers, request, loads)
+        rows, hashes, chains = self._score(workers, request, loads)
         if hashes is not None:  # someone was scored approximately
             self.fallbacks["unknown_index"] += 1
         decision, best = self._decide(rows)
         if not best.exact and hashes is not None:
             self.approximate.credit_chain(best.worker.id, hashes)
-        elif best.exact and best.size == self.block_size:
-            self.pending.credit(best.worker.id, keys, request)
+        elif best.worker.id in chains:
+            self.pending.credit(best.worker.id, chains[best.worker.id], request)
         self._decided(decision, request, best)
         return best.worker
 
@@ -249,20 +250,22 @@ class KvAwarePolicy(BasePolicy):
 
     def _score(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
-    ) -> tuple[list[_Scored], list[int] | None, list[int]]:
-        """Every worker's cached prompt tokens (exact where its index knows, or pending from
-        this router's own recent decisions if more) and cost; the prompt's approximate chain
-        if any worker needed it; and its leading chain keys for the pending credit."""
+    ) -> tuple[list[_Scored], list[int] | None, dict[int, LazyChain]]:
+        """Every worker's cached prompt tokens (exact where its index knows, with this
+        router's pending credits on it) and cost; the prompt's approximate chain if any
+        worker needed it; and, per exact worker, the prompt's chain past what it holds (for
+        the pending credit)."""
         tokens = request.tokens or ()
         n = len(tokens)
         index = self.kv_index
         lora: LoraKey = request.model if _is_lora(workers[0], request.model) else None
         # One walk of the prompt's chain for every trusted worker (the untrusted are absent).
-        keys: list[int] = []
+        next_keys: dict[int, int] = {}
         found = {} if index is None else index.cached_blocks_all(
-            [worker.id for worker in workers], tokens, lora, self.block_size, keys
+            [worker.id for worker in workers], tokens, lora, self.block_size, next_keys
         )  # fmt: skip
-        pending = self._pending_depths(found, tokens, lora, keys)
+        chains = self._chains_past_held(found, tokens, lora, next_keys)
+        pending = self.pending.depths(chains) if chains else {}
         hashes: list[int] | None = None
         per_block = self.overlap_weight / self.block_size  # the cost of one prompt token
         rows = []
@@ -276,30 +279,36 @@ class KvAwarePolicy(BasePolicy):
                 cached = exact * size
             credited = pending.get(worker.id, 0) * size
             load = loads.get(worker.id, 0)
-            row = _Scored(worker, max(cached, credited), size, exact is not None, load, 0.0)
-            row.pending = credited > cached
+            row = _Scored(worker, cached + credited, size, exact is not None, load, 0.0)
+            row.pending = credited > 0
             row.cost = per_block * (n - row.cached) + self.load_weight * load
             rows.append(row)
-        return rows, hashes, keys
+        return rows, hashes, chains
 
-    def _pending_depths(
+    def _chains_past_held(
         self,
         found: Mapping[int, tuple[int, int]],
         tokens: Sequence[int],
         lora: LoraKey,
-        keys: list[int],
-    ) -> dict[int, int]:
-        """Leading blocks credited to each exactly indexed worker of the policy's block size,
-        with `keys` made up to the credit's length (the walk hashed only what it needed)."""
-        pending = self.pending
-        if pending.seconds <= 0:
+        next_keys: Mapping[int, int],
+    ) -> dict[int, LazyChain]:
+        """Per exactly indexed worker of the policy's block size, the prompt's chain from
+        the first block its events do not show, up to the credit's limit (hashed lazily)."""
+        if self.pending.seconds <= 0:
             return {}
         size = self.block_size
-        upto = min(len(tokens) // size, pending.max_request_blocks)
-        del keys[upto:]
-        extend_chain(keys, tokens, chain_seed(lora), size, upto)
-        same_size = [worker_id for worker_id, (_, s) in found.items() if s == size]
-        return pending.depths(keys, same_size)
+        upto = min(len(tokens) // size, self.pending.max_request_blocks)
+        chains: dict[int, LazyChain] = {}
+        for worker_id, (held, block_size) in found.items():
+            if block_size != size or held >= upto:
+                continue
+            key = next_keys.get(worker_id)
+            if key is None:  # nothing stored yet: the walk did not ask it
+                if held:
+                    continue
+                key = hash((chain_seed(lora), tuple(tokens[:size])))
+            chains[worker_id] = LazyChain(tokens, size, held, key, upto)
+        return chains
 
     def _decide(self, rows: list[_Scored]) -> tuple[str, _Scored]:
         """The cheapest row (ties: least loaded, then random), after the load guard."""

@@ -135,7 +135,7 @@ async def start_workers(proc: harness.Fleet, cache_blocks: int, kv: bool) -> rf.
                 f"{url}/health", partial(harness.http_ok, http, url + "/health"), proc
             )
     endpoints = [rf.kv_endpoints(p) for p in pairs]
-    for url, (events, replay) in zip(urls, endpoints, strict=True):
+    for url, (events, replay) in zip(urls if kv else [], endpoints, strict=True):
         WORKER_EXTRA[url] = {"kv_events": events, "kv_events_replay": replay}
     return rf.Fleet(proc, "", 0, urls, [], cache_blocks, "", 0, endpoints)
 

@@ -85,12 +85,13 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     attempt fails. 0 routes on the events alone. The credit is this router's; other
     routers see the blocks from the events.
 
-Cost (bench/kv_aware_cost.py, bench/RESULTS.md): on a 4k-word prompt about 52 µs p50 at
-4 workers and 63 µs at 8 on the 2-core bench machine, mostly one walk of the prompt's
-chain for all workers (routing.kv_holders: each block hashed once, only as far as some
-worker holds the prefix, one lookup per block for all); tokenization, apart, costs 30-60
-times that. Not thread-safe (one router, one event
-loop) and no I/O: tokens come with the request.
+Cost (bench/kv_aware_cost.py, bench/RESULTS.md): on a 4k-word prompt at 8 workers about
+127 µs p50 on the 2-core bench machine, each call compared with a live credit of the same
+prompt (83 µs before the credit existed); mostly one walk of the prompt's chain
+for all workers (routing.kv_holders: each block hashed once, only as far as some worker
+holds the prefix, one lookup per block for all). Tokenization, apart, costs 30-50 times
+that. Not thread-safe (one router, one event loop) and no I/O: tokens come with the
+request.
 """
 
 from __future__ import annotations

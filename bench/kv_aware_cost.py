@@ -13,6 +13,11 @@ Cases (the same token ids each call; `select` with the router's loads, 0-4 per w
   the prompt's chain serves all workers, hashing as far as worker N-1's prefix.
 * ``kv_aware, one unknown``: the same with worker N-1's index untrusted, so that worker is
   scored on prefix_aware's approximate index (the prompt's text chained too).
+* ``kv_aware, exact, another request's credit to compare``: the first case after another
+  request with the same prompt was routed and its answer has not started, so its pending
+  credit (routing.policies.kv_pending) is compared on every call: a burst's cost. (Each
+  timed call credits the worker too, replacing its own credit of the call before, which a
+  request never counts for itself.)
 * ``prefix_aware`` on the same prompt's text, for comparison (its tree pre-filled likewise).
 * ``tokenize (chat, local)``: LocalTokenizer.chat of the request: template render + encode.
 * ``tokenize (worker /tokenize hop)``: the same request through RequestTokens.of for a model
@@ -175,9 +180,13 @@ def run(workers: int, calls: int, repeats: int) -> dict[str, Any]:
     loads = {w.id: rng.randint(0, 4) for w in fleet_}
     results: dict[str, Any] = {"prompt_words": WORDS, "prompt_tokens": len(ids)}
     request = RequestInfo("m", body, (), tokens=ids)
-    for case, unknown in (("kv_aware, exact", None), ("kv_aware, one unknown", workers - 1)):
+    cases = (("kv_aware, exact", None, False), ("kv_aware, one unknown", workers - 1, False),
+             ("kv_aware, exact, another request's credit to compare", None, True))  # fmt: skip
+    for case, unknown, credited in cases:
         policy = KvAwarePolicy()
         policy.kv_index = filled_index(ids, workers, unknown)
+        if credited:  # the same prompt routed just before, its answer not started yet
+            policy.select(fleet_, RequestInfo("m", body, (), tokens=ids), loads)
         results[case] = timed(lambda p=policy: p.select(fleet_, request, loads), calls, repeats)
     prefix = PrefixAwarePolicy()
     text_request = RequestInfo("m", body, (), text=prompt)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -56,6 +57,9 @@ def _flush_tables_retrying(self: TransactionTestCase) -> None:
 TransactionTestCase._fixture_teardown = _flush_tables_retrying  # type: ignore[attr-defined]
 
 
+_RESERVED_LOW, _RESERVED_BAND = 20_000, 3_000  # 20000-31999: below the ephemeral range
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -76,9 +80,16 @@ def free_ports(n: int) -> list[int]:
 
 
 def free_port_run(n: int) -> int:
-    """The first of `n` consecutive free ports (`serve --demo-base-port` takes a run)."""
-    for _ in range(50):
-        base = free_port()
+    """The first of `n` consecutive free ports, for a subprocess that binds them seconds
+    later (`serve --port`, `--demo-base-port`). Taken below the kernel's ephemeral range
+    (ip_local_port_range), where no `bind(0)` and no outgoing connection of another test can
+    take them meanwhile (one did: "address already in use" for a demo engine); each xdist
+    worker draws from a band of its own."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    band = int(worker) if worker.isdigit() else 0
+    low = _RESERVED_LOW + (band % 4) * _RESERVED_BAND
+    for _ in range(200):
+        base = random.randrange(low, low + _RESERVED_BAND - n)
         socks: list[socket.socket] = []
         try:
             for port in range(base, base + n):

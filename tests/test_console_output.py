@@ -19,7 +19,6 @@ from tests.conftest import (
     RouterServer,
     SimulatorLoop,
     StartSimulator,
-    free_port,
     free_port_run,
     start_router,
     stop_process,
@@ -39,7 +38,7 @@ NOT_LOG = re.compile(
 
 
 def _serve(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
-    port = free_port()
+    port = free_port_run(1)
     env = subprocess_env(
         tmp_path,
         DATABASE_URL=f"sqlite:///{tmp_path / 'serve.sqlite3'}",

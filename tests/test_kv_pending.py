@@ -208,3 +208,14 @@ def test_only_blocks_past_what_the_events_show_are_credited() -> None:
     assert ask(policy, workers, request([*prefix, 5]), {}).id == 1
     assert policy.last_decision == "pending" and policy.last_prediction is not None
     assert policy.last_prediction.tokens == 40 * BLOCK
+
+
+def test_a_request_never_counts_its_own_credit() -> None:
+    prefix = tokens(1, 32 * BLOCK)
+    policy, _, _ = pending_policy(2)
+    workers, same = fleet(2), request(prefix)
+    first = ask(policy, workers, same, {})
+    ask(policy, workers, same, {first.id: 1})  # asked again before its answer started
+    assert policy.last_decision == "miss"  # its own credit is what it is to compute
+    ask(policy, workers, request(prefix), {})
+    assert policy.last_decision == "pending"  # another request's credit counts

@@ -27,7 +27,7 @@ from tests.conftest import (
     ADMIN_HEADERS,
     ROOT,
     StartSimulator,
-    free_port,
+    free_port_run,
     subprocess_env,
     wait_until,
 )
@@ -58,7 +58,7 @@ class Served:
 
 def start_serve(tmp_path: Path, *args: str, redis_url: str) -> Served:
     """`manage.py serve --no-celery` on the test database, ready when /health answers."""
-    port = free_port()
+    port = free_port_run(1)
     env = subprocess_env(tmp_path, CONTROLPANEL_SHUTDOWN_GRACE=str(GRACE))
     env.pop("REDIS_URL_FILE", None)
     env.pop("REDIS_URL", None)
@@ -210,7 +210,15 @@ def test_several_routers_without_redis_are_refused_naming_redis_url(tmp_path: Pa
     env = subprocess_env(tmp_path)
     env.pop("REDIS_URL", None)
     env.pop("REDIS_URL_FILE", None)
-    command = [sys.executable, "manage.py", "serve", "--routers", "2", "--port", str(free_port())]
+    command = [
+        sys.executable,
+        "manage.py",
+        "serve",
+        "--routers",
+        "2",
+        "--port",
+        str(free_port_run(1)),
+    ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "REDIS_URL" in done.stderr, done.stderr + done.stdout

@@ -266,7 +266,7 @@ class KvAwarePolicy(BasePolicy):
             [worker.id for worker in workers], tokens, lora, self.block_size, next_keys
         )  # fmt: skip
         chains = self._chains_past_held(found, tokens, lora, next_keys)
-        pending = self.pending.depths(chains) if chains else {}
+        pending = self.pending.depths(chains, request) if chains else {}
         hashes: list[int] | None = None
         per_block = self.overlap_weight / self.block_size  # the cost of one prompt token
         rows = []

@@ -133,9 +133,11 @@ class PendingBlocks:
         if credit is not None:
             self._drop(credit)
 
-    def depths(self, chains: Mapping[int, LazyChain]) -> dict[int, int]:
+    def depths(self, chains: Mapping[int, LazyChain], asker: object = None) -> dict[int, int]:
         """For each worker, how many blocks of its `chains` entry (the prompt from the first
-        block its events do not show) its credits hold (absent: none)."""
+        block its events do not show) its credits hold (absent: none). The credit of the
+        asking request itself does not count: it stands for the blocks that very request
+        is to compute."""
         self._expire()  # every credit left is live
         found: dict[int, int] = {}
         if not self._by_start:
@@ -146,7 +148,11 @@ class PendingBlocks:
                 continue
             best = 0
             for credit in filed:
-                if credit.worker_id == worker_id and credit.chain is not None:
+                if (
+                    credit.worker_id == worker_id
+                    and credit.chain is not None
+                    and credit.owner is not asker
+                ):
                     best = max(best, _matched(credit.chain, chain))
             if best:
                 found[worker_id] = best

@@ -31,7 +31,7 @@ def children_of(pid: int) -> list[int]:
 
 
 def test_serve_demo_runs_everything_and_stops_everything(tmp_path: Path) -> None:
-    port, demo_port = free_port_run(1), free_port_run(2)
+    port, demo_port = free_port_run(1), free_port_run(6)
     env = subprocess_env(tmp_path, DATABASE_URL=f"sqlite:///{tmp_path / 'serve.sqlite3'}")
     log_path = tmp_path / "serve.log"
     command = [

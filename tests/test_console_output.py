@@ -47,7 +47,7 @@ def _serve(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
     env.pop("CONTROLPANEL_ACCESS_LOG_FILE", None)
     log_path = tmp_path / "console.log"
     command = [sys.executable, "manage.py", "serve", "--port", str(port), "--demo", "2",
-               "--demo-base-port", str(free_port_run(2)), "--demo-traffic", "4"]  # fmt: skip
+               "--demo-base-port", str(free_port_run(6)), "--demo-traffic", "4"]  # fmt: skip
     with log_path.open("wb") as log:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}", log_path

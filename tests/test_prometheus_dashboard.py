@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ADMIN_HEADERS, ROOT, free_port, stop_process, wait_until
+from tests.conftest import ADMIN_HEADERS, ROOT, free_port, free_port_run, stop_process, wait_until
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "controlpanel.json"
 RULES = ROOT / "deploy" / "prometheus" / "controlpanel-rules.yaml"
@@ -74,23 +73,6 @@ def test_the_dashboard_is_grafana_json_with_the_panels_asked_for() -> None:
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
 
 
-def consecutive_free_ports(count: int) -> int:
-    for _ in range(50):
-        base = free_port()
-        if base + count < 65535 and all(_port_free(base + i) for i in range(count)):
-            return base
-    raise AssertionError("no run of free ports")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def project_env(var_dir: Path, **extra: str) -> dict[str, str]:
     # Its own SQLite and no Redis: the demo's Celery must not share a broker with the suite's.
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
@@ -110,7 +92,7 @@ def project_env(var_dir: Path, **extra: str) -> dict[str, str]:
 
 @pytest.fixture
 def demo(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    port, base = free_port(), consecutive_free_ports(3)
+    port, base = free_port_run(1), free_port_run(9)  # 3 engines: HTTP and 2 KV ports each
     env = project_env(tmp_path)
     command = [sys.executable, "manage.py", "serve", "--port", str(port), "--demo", "3",
                "--demo-base-port", str(base), "--demo-traffic", "0"]  # fmt: skip

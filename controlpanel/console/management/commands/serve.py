@@ -159,8 +159,9 @@ class Command(BaseCommand):
         http_ports = [options["demo_base_port"] + index for index in range(options["demo"])]
         # Each engine publishes its KV cache events, as vLLM with --kv-events-config, and
         # keeps a replay socket: the worker pages show the routers' streams, and kv_aware
-        # routes on them. Ports the system has free, not more fixed ones to collide.
-        kv_ports = _free_ports(2 * len(http_ports), avoid=set(http_ports))
+        # routes on them. The ports after the HTTP ones when they are free (a fixed range is
+        # not taken meanwhile by some connection's ephemeral port), else any free ones.
+        kv_ports = _demo_kv_ports(http_ports)
         for index, port in enumerate(http_ports):
             events, replay = kv_ports[2 * index], kv_ports[2 * index + 1]
             model, loras = DEMO_MODELS[index % len(DEMO_MODELS)]
@@ -216,6 +217,24 @@ class Command(BaseCommand):
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, command, env)
+
+
+def _demo_kv_ports(http_ports: list[int]) -> list[int]:
+    """Two ports per engine: the run right after `http_ports` if all are free."""
+    count = 2 * len(http_ports)
+    after = list(range(http_ports[-1] + 1, http_ports[-1] + 1 + count))
+    if all(_is_free(port) for port in after):
+        return after
+    return _free_ports(count, avoid=set(http_ports))
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _free_ports(count: int, avoid: set[int]) -> list[int]:

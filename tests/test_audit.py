@@ -269,6 +269,33 @@ def test_django_admin_saves_and_deletes_are_events_by_the_staff_user(
     assert_no_secret(WORKER_KEY)
 
 
+def test_django_admin_refuses_what_the_api_refuses_and_saves_nothing(
+    router: RouterServer,
+) -> None:
+    model = ServedModel.objects.create(name="audit-strict")
+    ServedModel.objects.create(name="audit-other", fallbacks=["audit-strict"])
+    django_client = _admin_client()
+    path = f"/admin/controlpanel/servedmodel/{model.pk}/change/"
+    registered = admin.site._registry[ServedModel]
+    for changes, why in [
+        ({"priority_reserve": "1.5"}, "priority_reserve must be at least 0 and below 1"),
+        ({"policy": "no_such_policy"}, "no_such_policy"),
+        ({"policy": "kv_aware", "policy_config": '{"block_size": 0}'}, "block_size"),
+        ({"tokenizer": "/no/such/folder"}, "cannot be used"),
+        ({"fallbacks": '["audit-other"]'}, "loop"),
+        ({"fallbacks": '"audit-other"'}, "a list of model or alias names"),
+    ]:
+        before = Event.objects.count()
+        answer = django_client.post(path, _change_form(registered, model, **changes))
+        assert answer.status_code == 200, (changes, answer.status_code)  # the form again
+        assert why in answer.content.decode(), (changes, answer.content[:3000])
+        assert Event.objects.count() == before
+    stored = ServedModel.objects.get(pk=model.pk)
+    assert (stored.priority_reserve, stored.policy, stored.tokenizer, stored.fallbacks) == (
+        0.2, "shortest_queue", "", []
+    )
+
+
 def test_a_management_command_is_the_actor_of_its_change(router: RouterServer) -> None:
     out, err = StringIO(), StringIO()
     call_command("create_api_key", "ci", "--rpm", "7", "--priority", "sheddable",

@@ -1,3 +1,4 @@
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from django.contrib import admin, messages
@@ -6,7 +7,8 @@ from django.db.models import QuerySet
 from django.forms import ModelForm
 from django.http import HttpRequest
 
-from controlpanel.fleet import services
+from controlpanel.fleet import fallbacks, served_models, services
+from controlpanel.fleet.errors import InvalidModelSetting, InvalidPolicy, InvalidTokenizer
 from controlpanel.registry import events
 from controlpanel.registry.accounts import request_actor
 from controlpanel.registry.models import (
@@ -138,8 +140,40 @@ class WorkerAdmin(AuditedAdmin[Worker]):
         return obj, f"worker {obj.name}"
 
 
+class ServedModelForm(ModelForm):  # type: ignore[type-arg]
+    """The admin's form runs the checks the API and the models page run, so nothing the
+    routers could not build gets saved here either."""
+
+    class Meta:
+        model = ServedModel
+        fields = "__all__"
+
+    def clean(self) -> dict[str, Any]:
+        data: dict[str, Any] = super().clean() or {}
+        # (the fields a check reads, the first taking its error; the check)
+        checks: list[tuple[tuple[str, ...], Callable[[], object]]] = [
+            (("policy", "policy_config"), lambda: served_models.policy_checked(
+                data.get("policy", ""), data.get("policy_config") or {})),
+            (("tokenizer",), lambda: served_models.tokenizer_checked(
+                data.get("tokenizer") or "")),
+            (("priority_reserve",), lambda: served_models.reserve_checked(
+                data.get("priority_reserve", 0.2))),
+            (("fallbacks", "name"), lambda: fallbacks.fallbacks_checked(
+                name=data.get("name", ""), fallbacks=data.get("fallbacks", []))),
+        ]  # fmt: skip
+        for fields, check in checks:
+            if any(field in self.errors for field in fields):
+                continue  # Django has said what is wrong with the value itself
+            try:
+                check()
+            except (InvalidPolicy, InvalidTokenizer, InvalidModelSetting) as exc:
+                self.add_error(fields[0], str(exc))
+        return data
+
+
 @admin.register(ServedModel)
 class ServedModelAdmin(AuditedAdmin[ServedModel]):
+    form = ServedModelForm
     list_display = ("name", "policy", "updated_at")
     search_fields = ("name",)
 

@@ -28,10 +28,7 @@ def served_model_set_policy(
     The configuration is checked by building the policy here, so a typo is refused now
     rather than discovered by the router."""
     config = policy_config or {}
-    try:
-        policy_class(policy)(config)
-    except (UnknownPolicy, ValueError, TypeError) as exc:
-        raise InvalidPolicy(str(exc)) from exc
+    policy_checked(policy, config)
     with transaction.atomic():
         model = ServedModel.objects.select_for_update().get(name=name)
         before = {"policy": model.policy, "policy_config": model.policy_config}
@@ -48,6 +45,30 @@ def served_model_set_policy(
         )  # fmt: skip
         RoutingGeneration.bump()
     return model
+
+
+def policy_checked(policy: str, config: dict[str, Any]) -> None:
+    """InvalidPolicy unless the policy can be built with the configuration, as routers will."""
+    try:
+        policy_class(policy)(config)
+    except (UnknownPolicy, ValueError, TypeError) as exc:
+        raise InvalidPolicy(str(exc)) from exc
+
+
+def tokenizer_checked(tokenizer: str) -> str:
+    """The folder stripped, or InvalidTokenizer unless it loads here as a router loads it."""
+    tokenizer = tokenizer.strip()
+    if tokenizer:
+        try:
+            LocalTokenizer(tokenizer)
+        except Exception as exc:  # tokenizers raises a bare Exception for a broken file
+            raise InvalidTokenizer(f"tokenizer {tokenizer!r} cannot be used: {exc}") from exc
+    return tokenizer
+
+
+def reserve_checked(priority_reserve: float) -> None:
+    if not 0.0 <= priority_reserve < 1.0:
+        raise InvalidModelSetting("priority_reserve must be at least 0 and below 1")
 
 
 def served_model_set_preflight(*, name: str, mode: str, actor: str) -> ServedModel:
@@ -76,12 +97,7 @@ def served_model_set_tokenizer(*, name: str, tokenizer: str, actor: str) -> Serv
     /tokenize then). Checked by loading it here, as a router will, so a wrong path or a
     broken tokenizer.json is refused now; the folder must exist on the routers' machines
     too (routers that cannot load it say so on /metrics and use the workers' /tokenize)."""
-    tokenizer = tokenizer.strip()
-    if tokenizer:
-        try:
-            LocalTokenizer(tokenizer)
-        except Exception as exc:  # tokenizers raises a bare Exception for a broken file
-            raise InvalidTokenizer(f"tokenizer {tokenizer!r} cannot be used: {exc}") from exc
+    tokenizer = tokenizer_checked(tokenizer)
     with transaction.atomic():
         model = ServedModel.objects.select_for_update().get(name=name)
         previous, model.tokenizer = model.tokenizer, tokenizer
@@ -121,8 +137,7 @@ def served_model_set_limit(*, name: str, max_inflight: int, actor: str) -> Serve
 def served_model_set_reserve(*, name: str, priority_reserve: float, actor: str) -> ServedModel:
     """The share of the model's admission slots that `sheddable` requests may never hold
     (routing.priority): kept for `critical` and `standard` under an in-flight limit."""
-    if not 0.0 <= priority_reserve < 1.0:
-        raise InvalidModelSetting("priority_reserve must be at least 0 and below 1")
+    reserve_checked(priority_reserve)
     with transaction.atomic():
         model = ServedModel.objects.select_for_update().get(name=name)
         before = model.priority_reserve

@@ -292,7 +292,10 @@ def test_django_admin_refuses_what_the_api_refuses_and_saves_nothing(
         assert Event.objects.count() == before
     stored = ServedModel.objects.get(pk=model.pk)
     assert (stored.priority_reserve, stored.policy, stored.tokenizer, stored.fallbacks) == (
-        0.2, "shortest_queue", "", []
+        0.2,
+        "shortest_queue",
+        "",
+        [],
     )
 
 

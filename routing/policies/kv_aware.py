@@ -16,18 +16,18 @@ For each worker ``w`` given, with ``n`` prompt tokens and ``B`` = ``block_size``
     cost(w)    = overlap_weight * prefill(w) + load_weight * load(w)
 
 and the cheapest worker wins (on a tie the less loaded, then at random). A worker's
-``cached`` is the longer of what its events say and what this router credited it with at
-its decisions whose answers have not started yet (routing.policies.kv_pending): the index
-learns a prompt's blocks only once the worker has stored them, so without the credit a
-burst of requests sharing a new prefix would all miss and be spread over every worker, each
-computing the same prefix. ``load`` is
+``cached`` is what its events show plus the blocks right after them that this router
+credited it with at decisions whose answers have not started yet
+(routing.policies.kv_pending): the index learns a prompt's blocks only once the worker has
+stored them, so without the credit a burst of requests sharing a new prefix would all miss
+and be spread over every worker, each computing the same prefix. ``load`` is
 routing.policies.load's fused signal (every router's requests in flight on the worker plus
 what it reported beyond them), the same in every router. Dynamo writes
 ``overlap_score_weight * prefill_blocks + decode_blocks``, its decode term being the KV
 blocks of the worker's active sequences; the router knows requests, not their blocks, so
 ``load_weight`` says how many blocks of prefill one request in flight is worth.
-Decision ``"kv"``; ``"pending"`` when the winner's cached blocks are this router's credit
-(below) rather than its events; ``"miss"`` when no worker holds any block of the prompt (the
+Decision ``"kv"``; ``"pending"`` when some of the winner's cached blocks are this router's
+credit rather than its events; ``"miss"`` when no worker holds any block of the prompt (the
 cost is then the load alone, so the least loaded wins). A LoRA adapter's blocks are looked up
 under its name (the index keys them apart from the base model's, as vLLM does).
 
@@ -86,8 +86,8 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     routers see the blocks from the events.
 
 Cost (bench/kv_aware_cost.py, bench/RESULTS.md): on a 4k-word prompt at 8 workers about
-127 µs p50 on the 2-core bench machine, each call compared with a live credit of the same
-prompt (83 µs before the credit existed); mostly one walk of the prompt's chain
+111 µs p50 on the 2-core bench machine, 127 µs when another request's live credit of the
+same prompt is compared (83 µs before the credit existed); mostly one walk of the prompt's chain
 for all workers (routing.kv_holders: each block hashed once, only as far as some worker
 holds the prefix, one lookup per block for all). Tokenization, apart, costs 30-50 times
 that. Not thread-safe (one router, one event loop) and no I/O: tokens come with the

@@ -12,31 +12,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import transaction
-
 from controlpanel.fleet.errors import InvalidModelSetting
-from controlpanel.registry.events import event_record
-from controlpanel.registry.models import Alias, EventKind, RoutingGeneration, ServedModel, Worker
+from controlpanel.fleet.served_models import served_model_change
+from controlpanel.registry.models import Alias, EventKind, ServedModel, Worker
 from routing import fallbacks as routing_fallbacks
 
 
 def served_model_set_fallbacks(*, name: str, fallbacks: Any, actor: str) -> ServedModel:
     """The ordered model or alias names this model's requests move on to when it has no
     routable worker or failed before its first byte (routing.fallbacks); [] for none."""
-    with transaction.atomic():
-        model = ServedModel.objects.select_for_update().get(name=name)
-        clean = fallbacks_checked(name=name, fallbacks=fallbacks)
-        before, model.fallbacks = list(model.fallbacks), clean
-        model.save(update_fields=["fallbacks", "updated_at"])
-        event_record(
-            kind=EventKind.MODEL_CHANGED,
-            worker=None,
-            message=f"{name}: fallbacks {_names(before)} → {_names(clean)}",
-            actor=actor,
-            data={"model": name, "before": {"fallbacks": before}, "after": {"fallbacks": clean}},
-        )
-        RoutingGeneration.bump()
-    return model
+    return served_model_change(
+        name=name,
+        values=lambda: {"fallbacks": fallbacks_checked(name=name, fallbacks=fallbacks)},
+        kind=EventKind.MODEL_CHANGED,
+        actor=actor,
+        describe=lambda before, after: (
+            f"{name}: fallbacks {_names(before['fallbacks'])} → {_names(after['fallbacks'])}"
+        ),
+        flat=False,
+    )
 
 
 def fallbacks_checked(*, name: str, fallbacks: Any) -> list[str]:

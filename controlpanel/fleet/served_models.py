@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from django.db import transaction
@@ -21,6 +22,34 @@ def served_models_ensure(entries: list[dict[str, Any]]) -> None:
         ServedModel.objects.get_or_create(name=entry["id"])
 
 
+def served_model_change(
+    *,
+    name: str,
+    values: Callable[[], dict[str, Any]],
+    kind: str,
+    actor: str,
+    describe: Callable[[dict[str, Any], dict[str, Any]], str],
+    flat: bool = True,
+) -> ServedModel:
+    """Set some of a served model's fields, under its row lock, with one event (before ->
+    after; with `flat` the new values also at the data's top level) and one routing bump:
+    what every setting's service does. `values` runs under the lock (a check that reads
+    other rows sees them as they are committed); `describe(before, after)` is the message."""
+    with transaction.atomic():
+        model = ServedModel.objects.select_for_update().get(name=name)
+        after = values()
+        before = {field: getattr(model, field) for field in after}
+        for field, value in after.items():
+            setattr(model, field, value)
+        model.save(update_fields=[*after, "updated_at"])
+        data = {"model": name, **(after if flat else {}), "before": before, "after": after}
+        event_record(
+            kind=kind, worker=None, message=describe(before, after), actor=actor, data=data
+        )
+        RoutingGeneration.bump()
+    return model
+
+
 def served_model_set_policy(
     *, name: str, policy: str, policy_config: dict[str, Any] | None, actor: str
 ) -> ServedModel:
@@ -29,22 +58,15 @@ def served_model_set_policy(
     rather than discovered by the router."""
     config = policy_config or {}
     policy_checked(policy, config)
-    with transaction.atomic():
-        model = ServedModel.objects.select_for_update().get(name=name)
-        before = {"policy": model.policy, "policy_config": model.policy_config}
-        previous = model.policy
-        model.policy, model.policy_config = policy, config
-        model.save(update_fields=["policy", "policy_config", "updated_at"])
-        event_record(
-            kind=EventKind.POLICY_CHANGED,
-            worker=None,
-            message=f"{name}: {previous} -> {policy} {config or ''}".rstrip(),
-            actor=actor,
-            data={"model": name, "policy": policy, "policy_config": config,
-                  "before": before, "after": {"policy": policy, "policy_config": config}},
-        )  # fmt: skip
-        RoutingGeneration.bump()
-    return model
+    return served_model_change(
+        name=name,
+        values=lambda: {"policy": policy, "policy_config": config},
+        kind=EventKind.POLICY_CHANGED,
+        actor=actor,
+        describe=lambda before, _: (
+            f"{name}: {before['policy']} -> {policy} {config or ''}".rstrip()
+        ),
+    )
 
 
 def policy_checked(policy: str, config: dict[str, Any]) -> None:
@@ -76,20 +98,13 @@ def served_model_set_preflight(*, name: str, mode: str, actor: str) -> ServedMod
     model's rotation until it matches or is accepted (controlpanel.fleet.preflight)."""
     if mode not in ("warn", "refuse"):
         raise InvalidPolicy(f'preflight is "warn" or "refuse", not {mode!r}')
-    with transaction.atomic():
-        model = ServedModel.objects.select_for_update().get(name=name)
-        previous, model.preflight = model.preflight, mode
-        model.save(update_fields=["preflight", "updated_at"])
-        event_record(
-            kind=EventKind.POLICY_CHANGED,
-            worker=None,
-            message=f"{name}: preflight {previous} -> {mode}",
-            actor=actor,
-            data={"model": name, "preflight": mode,
-                  "before": {"preflight": previous}, "after": {"preflight": mode}},
-        )  # fmt: skip
-        RoutingGeneration.bump()
-    return model
+    return served_model_change(
+        name=name,
+        values=lambda: {"preflight": mode},
+        kind=EventKind.POLICY_CHANGED,
+        actor=actor,
+        describe=lambda before, _: f"{name}: preflight {before['preflight']} -> {mode}",
+    )
 
 
 def served_model_set_tokenizer(*, name: str, tokenizer: str, actor: str) -> ServedModel:
@@ -98,61 +113,44 @@ def served_model_set_tokenizer(*, name: str, tokenizer: str, actor: str) -> Serv
     broken tokenizer.json is refused now; the folder must exist on the routers' machines
     too (routers that cannot load it say so on /metrics and use the workers' /tokenize)."""
     tokenizer = tokenizer_checked(tokenizer)
-    with transaction.atomic():
-        model = ServedModel.objects.select_for_update().get(name=name)
-        previous, model.tokenizer = model.tokenizer, tokenizer
-        model.save(update_fields=["tokenizer", "updated_at"])
-        event_record(
-            kind=EventKind.POLICY_CHANGED,
-            worker=None,
-            message=f"{name}: tokenizer {previous or '(none)'} -> {tokenizer or '(none)'}",
-            actor=actor,
-            data={"model": name, "tokenizer": tokenizer,
-                  "before": {"tokenizer": previous}, "after": {"tokenizer": tokenizer}},
-        )  # fmt: skip
-        RoutingGeneration.bump()
-    return model
+    return served_model_change(
+        name=name,
+        values=lambda: {"tokenizer": tokenizer},
+        kind=EventKind.POLICY_CHANGED,
+        actor=actor,
+        describe=lambda before, _: (
+            f"{name}: tokenizer {before['tokenizer'] or '(none)'} -> {tokenizer or '(none)'}"
+        ),
+    )
 
 
 def served_model_set_limit(*, name: str, max_inflight: int, actor: str) -> ServedModel:
     """Cap the requests in flight for one model per router (0: no cap); beyond it requests
     wait in a bounded queue, then get 429 (routing.admission)."""
-    with transaction.atomic():
-        model = ServedModel.objects.select_for_update().get(name=name)
-        previous, model.max_inflight = model.max_inflight, max_inflight
-        model.save(update_fields=["max_inflight", "updated_at"])
-        limit = f"at most {max_inflight} in flight per router" if max_inflight else "no limit"
-        event_record(
-            kind=EventKind.POLICY_CHANGED,
-            worker=None,
-            message=f"{name}: {limit} (was {previous or 'no limit'})",
-            actor=actor,
-            data={"model": name, "max_inflight": max_inflight,
-                  "before": {"max_inflight": previous}, "after": {"max_inflight": max_inflight}},
-        )  # fmt: skip
-        RoutingGeneration.bump()
-    return model
+    limit = f"at most {max_inflight} in flight per router" if max_inflight else "no limit"
+    return served_model_change(
+        name=name,
+        values=lambda: {"max_inflight": max_inflight},
+        kind=EventKind.POLICY_CHANGED,
+        actor=actor,
+        describe=lambda before, _: f"{name}: {limit} (was {before['max_inflight'] or 'no limit'})",
+    )
 
 
 def served_model_set_reserve(*, name: str, priority_reserve: float, actor: str) -> ServedModel:
     """The share of the model's admission slots that `sheddable` requests may never hold
     (routing.priority): kept for `critical` and `standard` under an in-flight limit."""
     reserve_checked(priority_reserve)
-    with transaction.atomic():
-        model = ServedModel.objects.select_for_update().get(name=name)
-        before = model.priority_reserve
-        model.priority_reserve = priority_reserve
-        model.save(update_fields=["priority_reserve", "updated_at"])
-        event_record(
-            kind=EventKind.MODEL_CHANGED,
-            worker=None,
-            message=f"{name}: priority_reserve {before!r} → {priority_reserve!r}",
-            actor=actor,
-            data={"model": name, "before": {"priority_reserve": before},
-                  "after": {"priority_reserve": priority_reserve}},
-        )  # fmt: skip
-        RoutingGeneration.bump()
-    return model
+    return served_model_change(
+        name=name,
+        values=lambda: {"priority_reserve": priority_reserve},
+        kind=EventKind.MODEL_CHANGED,
+        actor=actor,
+        describe=lambda before, _: (
+            f"{name}: priority_reserve {before['priority_reserve']!r} → {priority_reserve!r}"
+        ),
+        flat=False,
+    )
 
 
 _KNOB_DEFAULT = r"[`]{1,2}%s[`]{1,2}\s*\(([^)]*)\)"

@@ -236,13 +236,34 @@ class Admission:
         if running >= peak or now - at > CRITICAL_RECENT_S:
             self._critical_peak[model] = (running, now)
 
+    def critical_claim(
+        self, model: str, reserve: float, workers: Sequence[WorkerView], model_limit: int
+    ) -> int:
+        """The slots critical requests want here now (0 without recent critical traffic):
+        the headroom standard and sheddable ones leave them, before it is capped to leave
+        one slot to the rest. What this router's leases are due before the keys' weights
+        split the rest (routing.leases); uncapped, or a small lease would claim too little
+        to grow out of."""
+        if not self.critical_recent(model):
+            return 0
+        leases, slots = self.leases, 0
+        if self.per_worker:
+            slots = sum(leases.worker_cap(w.id, self.per_worker) for w in workers)
+        if model_limit:
+            model_cap = leases.model_cap(model, model_limit)
+            slots = min(slots, model_cap) if self.per_worker else model_cap
+        return self._critical_wanted(model, reserve, slots)
+
     def critical_headroom(self, model: str, reserve: float, slots: int) -> int:
         """The slots standard requests leave to critical ones while those are recent: the
         reserve's share, or as many as critical requests lately ran at once if more."""
+        return min(self._critical_wanted(model, reserve, slots), slots - 1)
+
+    def _critical_wanted(self, model: str, reserve: float, slots: int) -> int:
         peak, at = self._critical_peak.get(model, (0, 0.0))
         if asyncio.get_running_loop().time() - at > CRITICAL_RECENT_S:
             peak = 0
-        return min(max(math.ceil(reserve * slots), peak), slots - 1)
+        return max(math.ceil(reserve * slots), peak)
 
     def _refused(self, model: str, ticket: Ticket, why: str) -> WorkerView | None:
         ticket.refused = why

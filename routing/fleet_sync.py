@@ -231,7 +231,7 @@ class FleetSync:
         now_ms = int(time.time() * 1000)
         for ask in asks:
             args = (me, ask.limit, ask.ask, ask.demand, ask.inflight, now_ms, LEASE_TTL_MS,
-                    ask.weight)  # fmt: skip
+                    ask.weight, ask.first)  # fmt: skip
             pipe.evalsha(self._lease_sha or "", 1, self._key(ask.key), *args)
         return pipe
 
@@ -257,34 +257,45 @@ class FleetSync:
                 model_queued=model_queued,
                 keep=self._critical_headroom,
                 weight=self._waiting_weight,
+                first=self._critical_first,
             )
         )
 
+    def _models(self, key: str) -> tuple[str, list[str]]:
+        """A limit key's kind ("model" or "worker") and the models it covers."""
+        kind, _, name = key.partition(":")
+        if kind == "model":
+            return kind, [name]
+        worker = next((w for w in self.router.snapshot.workers if str(w.id) == name), None)
+        return kind, [m.id for m in worker.models] if worker is not None else []
+
     def _waiting_weight(self, key: str) -> float:
         """The fair-share weights of the keys waiting here behind a limit (routing.leases)."""
-        kind, _, name = key.partition(":")
         queues = self.router.admission.queues
-        if kind == "model":
-            return queues[name].waiting_weight() if name in queues else 0.0
-        worker = next((w for w in self.router.snapshot.workers if str(w.id) == name), None)
-        models = (m.id for m in worker.models) if worker is not None else ()
-        return sum(queues[m].waiting_weight() for m in models if m in queues)
+        return sum(queues[m].waiting_weight() for m in self._models(key)[1] if m in queues)
 
     def _critical_headroom(self, key: str, lease: int) -> int:
         """The slots of a lease kept for critical requests through the round trip: the
         largest reserve among the models it covers that have recent critical traffic."""
-        kind, _, name = key.partition(":")
         routes, admission = self.router.snapshot.routes, self.router.admission
-        if kind == "model":
-            models: Iterable[str] = (name,)
-        else:
-            worker = next((w for w in self.router.snapshot.workers if str(w.id) == name), None)
-            models = (m.id for m in worker.models) if worker is not None else ()
         return max(
-            (admission.critical_headroom(m, routes[m].priority_reserve, lease) for m in models
-             if m in routes and admission.critical_recent(m)),
+            (admission.critical_headroom(m, routes[m].priority_reserve, lease)
+             for m in self._models(key)[1] if m in routes and admission.critical_recent(m)),
             default=0,
         )  # fmt: skip
+
+    def _critical_first(self, key: str) -> float:
+        """The slots of a limit due to this router before the weights split the rest: the
+        critical headroom its admission keeps (routing.leases). A model's headroom is spread
+        evenly over the leases of the workers serving it."""
+        routes, admission = self.router.snapshot.routes, self.router.admission
+        kind, models = self._models(key)
+        claims = [
+            admission.critical_claim(m, r.priority_reserve, r.workers, r.max_inflight)
+            / (1 if kind == "model" else len(r.workers))
+            for m in models if (r := routes.get(m)) is not None and r.workers
+        ]  # fmt: skip
+        return max(claims, default=0.0)
 
     def _serving(self, model: str) -> Iterator[int]:
         route = self.router.snapshot.routes.get(model)

@@ -11,17 +11,32 @@ router leases slots, off the path, and admits against its lease from memory:
   how many it asks for (`ask`: the demand plus one spare slot, so the next request after a
   quiet spell need not wait for a tick).
 * The script drops the leases of routers that stopped renewing them (LEASE_TTL_MS), and
-  grants ``min(ask, limit - held - owed)``: ``held`` is what the other routers
-  hold, ``owed`` what they are due but do not have yet (each router with demand is due up to
-  its share of the limit, ``ceil(limit * its weight / the weights of routers with demand)``).
-  A router's weight is the sum of the fair-share weights of the client keys with requests
-  waiting there (at least 1; routing.fair_queue), so a limit is split between routers as
-  the keys queued behind them would split it: with keys of weights 1 and 3 each behind its
-  own router, 1:3; with every key behind every router, evenly, and each router's own fair
-  queue splits its share 1:3. (A key spread over some routers but not others counts its
-  weight at each: the split is then approximate.) So the sum of the
-  leases never exceeds the limit, an idle router's spare slot goes back as soon as a busy
-  one needs it, and routers with demand converge to their shares: none can starve another.
+  grants ``min(ask, limit - held - owed)``: ``held`` is what the other routers hold,
+  ``owed`` what they are due but do not have yet (each router with demand is due up to its
+  share of the limit). So the sum of the leases never exceeds the limit, an idle router's
+  spare slot goes back as soon as a busy one needs it, and routers with demand converge to
+  their shares: none can starve another.
+* **Shares.** Among the routers with demand, each is first due its `first` slots: the
+  headroom it keeps for `critical` requests (routing.admission), which its standard and
+  sheddable requests may not use. The rest of the limit is split by weight. A router's
+  weight is the sum of the fair-share weights of the client keys with requests waiting
+  there (at least 1; routing.fair_queue), so the rest is split between routers as the keys
+  queued behind them would split it: with keys of weights 1 and 3 each behind its own
+  router, 1:3 (and the critical key beside the weight-1 key does not eat into that key's
+  part); with every key behind every router, evenly, and each router's own fair queue
+  splits its share 1:3. (A key spread over some routers but not others counts its weight
+  at each: the split is then approximate.)
+* **Whole slots.** Shares are fractional and slots are not. The routers, in order of their
+  ids, lay their shares end to end on ``[0, limit)``, shifted by an offset that changes
+  every EPOCH_MS (the golden-ratio sequence, so the offsets spread evenly over ``[0, 1)``;
+  each limit starts the sequence elsewhere, so a router's shares of two workers' limits are
+  not rounded down in the same epochs);
+  a router gets the whole slots that start within its part. The shares then sum to the
+  limit exactly, each is its fraction rounded down or up, and over the epochs each router's
+  average is its fraction: a share of 1.375 slots is 2 slots in about 3 epochs of 8. (Before,
+  shares were rounded up and the critical headroom came out of the weighted part: with a
+  critical key and a weight-1 key behind one router, a weight-3 key behind the other and
+  4-slot workers, the weight-1 key got 20 % of the two keys' admissions, not 25 %.)
 * A grant may be below what the router runs (its share fell): those requests cannot be
   called back, so Redis records the larger of the two, which the others' grants leave
   room for, and the router admits nothing new until it runs less than its grant. (Had it
@@ -54,11 +69,15 @@ from dataclasses import dataclass
 
 LEASE_TTL_MS = 2_000
 SPARE_SLOTS = 1
+# Fractional shares are rounded afresh each epoch, so a share of 1.4 slots is 2 slots in
+# about 40 % of the epochs and 1 in the rest (module docstring).
+EPOCH_MS = 1_000
 
-# KEYS[1]: the limit's lease hash: field router id -> "grant:ms:demand", and field
-# "<router id>/w" -> its weight (a field of its own, so a router of the version before
-# weights, which drops any field it cannot read, only drops weights: shares are then equal,
-# as they were). ARGV: router id, limit, ask, demand, inflight, now (ms), ttl (ms), weight.
+# KEYS[1]: the limit's lease hash: field router id -> "grant:ms:demand", field
+# "<router id>/w" -> its weight and "<router id>/f" -> the slots due to it first (fields of
+# their own, so a router of the version before them, which drops any field it cannot read,
+# only drops those: shares are then split by weight alone, as they were). ARGV: router id,
+# limit, ask, demand, inflight, now (ms), ttl (ms), weight, first.
 # Returns {grant, recorded}: what the router may run, and what Redis records for it (the
 # larger of the grant and what it said it runs, which the others' grants leave room for).
 LEASE_SCRIPT = """
@@ -66,42 +85,59 @@ local me, limit = ARGV[1], tonumber(ARGV[2])
 local ask, demand, inflight = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local now, ttl = tonumber(ARGV[6]), tonumber(ARGV[7])
 local weight = tonumber(ARGV[8] or '1') or 1
+local first = tonumber(ARGV[9] or '0') or 0
 local all = redis.call('HGETALL', KEYS[1])
-local weights = {}
+local extra = {}
 for i = 1, #all, 2 do
-  local owner = string.match(all[i], '^(.*)/w$')
-  if owner ~= nil then weights[owner] = tonumber(all[i + 1]) end
+  local tail = string.sub(all[i], -2)
+  if tail == '/w' or tail == '/f' then extra[all[i]] = tonumber(all[i + 1]) end
 end
-local others = {}
-local total = 0
-if demand > 0 then total = weight end
+local others, due = {}, {}
+if demand > 0 then due[#due + 1] = {me, weight, first} end
 for i = 1, #all, 2 do
   local field = all[i]
-  if field ~= me and string.sub(field, -2) ~= '/w' then
+  local tail = string.sub(field, -2)
+  if field ~= me and tail ~= '/w' and tail ~= '/f' then
     local g, ts, d = string.match(all[i + 1], '^(%d+):(%d+):(%d+)$')
     if g == nil or now - tonumber(ts) > ttl then
-      redis.call('HDEL', KEYS[1], field, field .. '/w')
+      redis.call('HDEL', KEYS[1], field, field .. '/w', field .. '/f')
     else
-      local w = weights[field] or 1
-      others[#others + 1] = {tonumber(g), tonumber(d), w}
-      if tonumber(d) > 0 then total = total + w end
+      others[field] = {tonumber(g), tonumber(d)}
+      if tonumber(d) > 0 then
+        due[#due + 1] = {field, extra[field .. '/w'] or 1, extra[field .. '/f'] or 0}
+      end
     end
   end
 end
+table.sort(due, function(a, b) return a[1] < b[1] end)
+local firsts, weights = 0, 0
+for _, r in ipairs(due) do firsts = firsts + r[3]; weights = weights + r[2] end
+local scale = 1
+if firsts > limit then scale = limit / firsts end
+local rest = limit - firsts * scale
+local spread = 0
+for i = 1, #KEYS[1] do spread = (spread * 31 + string.byte(KEYS[1], i)) % 1000003 end
+local offset = (math.floor(now / EPOCH_MS) * 0.6180339887498949 + spread * 0.7548776662) % 1
+local shares, upto = {}, 0
+for _, r in ipairs(due) do
+  local before = math.floor(upto + offset + 1e-9)
+  upto = upto + r[3] * scale + rest * r[2] / weights
+  shares[r[1]] = math.floor(upto + offset + 1e-9) - before
+end
 local held, owed = 0, 0
-for _, o in ipairs(others) do
+for field, o in pairs(others) do
   held = held + o[1]
-  local share = math.ceil(limit * o[3] / math.max(total, o[3]))
-  owed = owed + math.max(0, math.min(o[2], share) - o[1])
+  owed = owed + math.max(0, math.min(o[2], shares[field] or 0) - o[1])
 end
 local grant = math.min(ask, limit - held - owed)
 if grant < 0 then grant = 0 end
 local recorded = grant
 if recorded < inflight then recorded = inflight end
-redis.call('HSET', KEYS[1], me, recorded .. ':' .. now .. ':' .. demand, me .. '/w', ARGV[8] or '1')
+redis.call('HSET', KEYS[1], me, recorded .. ':' .. now .. ':' .. demand,
+  me .. '/w', ARGV[8] or '1', me .. '/f', ARGV[9] or '0')
 redis.call('PEXPIRE', KEYS[1], ttl * 10)
 return {grant, recorded}
-"""
+""".replace("EPOCH_MS", str(EPOCH_MS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +150,9 @@ class LeaseAsk:
     # The weights of the flows waiting here for this limit, summed (at least 1): routers
     # with demand are due shares of the limit in these proportions.
     weight: float = 1.0
+    # The slots due to this router before the weights split the rest: the headroom it
+    # keeps for critical requests (routing.admission), which its standard keys cannot use.
+    first: float = 0.0
 
 
 class Leases:
@@ -167,10 +206,12 @@ class Leases:
         model_queued: Mapping[str, int],
         keep: Callable[[str, int], int] = lambda key, lease: 0,
         weight: Callable[[str], float] = lambda key: 1.0,
+        first: Callable[[str], float] = lambda key: 0.0,
     ) -> Iterator[LeaseAsk]:
         """What to ask for this tick: every limit with traffic here or a lease held.
         `keep(key, lease)`: slots of the lease to go on holding, unused, through the round
-        trip (a priority class's headroom, routing.admission)."""
+        trip (a priority class's headroom, routing.admission); `weight(key)` and
+        `first(key)`: what the router is due of the limit (module docstring)."""
         if per_worker:
             for worker_id in set(worker_inflight) | set(worker_queued) | self._held("worker:"):
                 running = worker_inflight.get(worker_id, 0)
@@ -178,19 +219,23 @@ class Leases:
                 key = f"worker:{worker_id}"
                 held = self._keeping(key, running, keep)
                 ask = max(demand, held) + SPARE_SLOTS
-                yield LeaseAsk(key, per_worker, ask, demand, held, _weight(weight(key)))
+                yield LeaseAsk(
+                    key, per_worker, ask, demand, held, _weight(weight(key)), _first(first(key))
+                )
         for model, limit in model_limits.items():
             running = model_inflight.get(model, 0)
             demand = running + model_queued.get(model, 0)
             key = f"model:{model}"
             held = self._keeping(key, running, keep)
             ask = max(demand, held) + SPARE_SLOTS
-            yield LeaseAsk(key, limit, ask, demand, held, _weight(weight(key)))
+            yield LeaseAsk(key, limit, ask, demand, held, _weight(weight(key)), _first(first(key)))
 
     def _keeping(self, key: str, running: int, keep: Callable[[str, int], int]) -> int:
         """What this router says it runs: what it does, plus the headroom it keeps, within
-        the lease it holds (the others were granted theirs knowing it, so that is safe)."""
-        lease = max(self.granted.get(key, 0), self.recorded.get(key, 0)) if self.shared else 0
+        its grant (the others were granted theirs knowing it, so that is safe). Not within
+        the record: a record above the grant is what runs draining to a smaller share, and
+        keeping headroom in it would keep that share from ever shrinking."""
+        lease = self.granted.get(key, 0) if self.shared else 0
         if lease <= running:
             return running
         return min(lease, running + keep(key, lease))
@@ -225,6 +270,10 @@ class Leases:
 def _weight(value: float) -> float:
     """Within what the script writes and reads back as plain decimals."""
     return round(min(max(value, 1.0), 1e6), 3)
+
+
+def _first(value: float) -> float:
+    return round(min(max(value, 0.0), 1e6), 3)
 
 
 def queued_per_worker(

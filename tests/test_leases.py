@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from routing.admission import SHEDDABLE_RANK, Admission, Ticket
+from routing.admission import CRITICAL_RANK, SHEDDABLE_RANK, Admission, Ticket
 from routing.leases import LeaseAsk, Leases
 from tests.factories import worker_view
 
@@ -109,3 +109,20 @@ def test_shed_requests_count_as_demand_once() -> None:
 
     first, second = asyncio.run(scenario())
     assert first == {"m": 1} and second == {}
+
+
+def test_a_router_claims_first_the_critical_headroom_of_what_it_may_run() -> None:
+    """Shares (routing.leases) give a router its critical headroom before the weights split
+    the rest: ceil(reserve x its slots), from its leases, while critical traffic is recent."""
+
+    async def scenario() -> tuple[int, int]:
+        admission = Admission(per_worker=4)
+        admission.leases = shared_with({"worker:1": 2, "worker:2": 1})
+        workers = (worker_view(1), worker_view(2))
+        before = admission.critical_claim("m", 0.2, workers, 0)
+        pick = lambda ws: ws[0]  # noqa: E731
+        critical = Ticket(rank=CRITICAL_RANK)
+        assert await admission.acquire("m", workers, None, pick, {}, critical) is not None
+        return before, admission.critical_claim("m", 0.2, workers, 0)
+
+    assert asyncio.run(scenario()) == (0, 1)  # none before critical traffic; ceil(0.2 x 3)

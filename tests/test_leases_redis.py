@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from routing.leases import LEASE_SCRIPT, LEASE_TTL_MS
+from routing.leases import EPOCH_MS, LEASE_SCRIPT, LEASE_TTL_MS
 
 REDIS_URL = os.environ.get("REDIS_URL", "")
 pytestmark = pytest.mark.skipif(
@@ -31,11 +31,11 @@ def lease() -> Iterator[tuple[redis.Redis, str, str]]:
 
 def ask(
     lease: tuple[redis.Redis, str, str], router: str, *, demand: int, weight: float,
-    inflight: int = 0, limit: int = 8,
+    inflight: int = 0, limit: int = 8, first: float = 0.0, now: int = 0,
 ) -> int:  # fmt: skip
     client, sha, key = lease
-    now = int(time.time() * 1000)
-    args = (router, limit, demand + 1, demand, inflight, now, LEASE_TTL_MS, weight)
+    now = now or int(time.time() * 1000)
+    args = (router, limit, demand + 1, demand, inflight, now, LEASE_TTL_MS, weight, first)
     grant, recorded = client.evalsha(sha, 1, key, *args)  # type: ignore[arg-type,misc]
     assert int(recorded) >= max(int(grant), inflight)  # what runs stays recorded
     return int(grant)
@@ -83,3 +83,48 @@ def test_a_router_over_its_share_drains_to_it(lease: tuple[redis.Redis, str, str
     assert ask(lease, "second", demand=20, weight=3.0) == 0  # still no room
     assert ask(lease, "first", demand=20, weight=1.0, inflight=2) == 2  # drained to its share
     assert ask(lease, "second", demand=20, weight=3.0) == 6
+
+
+def average_grants(
+    lease: tuple[redis.Redis, str, str], routers: dict[str, tuple[float, float]], *,
+    limit: int, epochs: int = 200,
+) -> dict[str, float]:  # fmt: skip
+    """Every router (weight, first) asking with a backlog, ticking through `epochs` epochs,
+    its requests turning over: each router's grant averaged over the epochs."""
+    start, totals = int(time.time() * 1000), dict.fromkeys(routers, 0)
+    for epoch in range(epochs):
+        now = start + epoch * EPOCH_MS
+        for _ in range(3):  # a few ticks settle each epoch's split
+            grants = {
+                r: ask(lease, r, demand=20, weight=w, first=f, limit=limit, now=now)
+                for r, (w, f) in routers.items()
+            }
+        assert sum(grants.values()) == limit  # whole slots, the limit exactly, every epoch
+        for router, grant in grants.items():
+            totals[router] += grant
+    return {router: total / epochs for router, total in totals.items()}
+
+
+def test_a_fractional_share_alternates_so_its_average_is_exact(
+    lease: tuple[redis.Redis, str, str],
+) -> None:
+    """Weights 1:2 of 4 slots are 1.33 and 2.67 slots: never more than 4 in all, and on
+    average the fractions (rounding up, as before, raced for the ceil's extra slot)."""
+    averages = average_grants(lease, {"a": (1.0, 0.0), "b": (2.0, 0.0)}, limit=4)
+    assert averages["a"] == pytest.approx(4 / 3, abs=0.05)
+    assert averages["b"] == pytest.approx(8 / 3, abs=0.05)
+
+
+def test_critical_headroom_is_due_first_and_the_weights_split_the_rest(
+    lease: tuple[redis.Redis, str, str],
+) -> None:
+    """The weight-1 router keeps 0.5 of each 4-slot worker for critical requests: it is due
+    0.5 + 3.5 / 4, so its weight-1 key runs 0.875 beside the weight-3 key's 2.625 (1:3)."""
+    averages = average_grants(lease, {"a": (1.0, 0.5), "b": (3.0, 0.0)}, limit=4)
+    assert averages["a"] == pytest.approx(0.5 + 3.5 / 4, abs=0.05)
+    assert averages["b"] == pytest.approx(3.5 * 3 / 4, abs=0.05)
+
+
+def test_claims_beyond_the_limit_are_scaled_down(lease: tuple[redis.Redis, str, str]) -> None:
+    averages = average_grants(lease, {"a": (1.0, 6.0), "b": (1.0, 2.0)}, limit=4)
+    assert averages == pytest.approx({"a": 3.0, "b": 1.0}, abs=0.05)

@@ -33,13 +33,16 @@ WARMUP_S, WINDOW_S = 2.0, 8.0
 
 @pytest.fixture
 def two_routers(tmp_path: Path) -> Iterator[list[RouterServer]]:
-    env = {
-        "CONTROLPANEL_REQUIRE_API_KEY": "1",
-        "REDIS_URL": REDIS_URL,
-        "CONTROLPANEL_MAX_INFLIGHT_PER_WORKER": "8",
-        "CONTROLPANEL_QUEUE_TIMEOUT": "60",
-    }
-    routers = [start_router(tmp_path, **env) for _ in range(2)]
+    routers = [
+        start_router(
+            tmp_path,
+            CONTROLPANEL_REQUIRE_API_KEY="1",
+            REDIS_URL=REDIS_URL,
+            CONTROLPANEL_MAX_INFLIGHT_PER_WORKER="8",
+            CONTROLPANEL_QUEUE_TIMEOUT="60",
+        )
+        for _ in range(2)
+    ]
     yield routers
     for router in routers:
         stop_process(router.proc)

@@ -19,7 +19,12 @@ Cases (the same token ids each call; `select` with the router's loads, 0-4 per w
   timed call credits the worker too, replacing its own credit of the call before, which a
   request never counts for itself.)
 * ``prefix_aware`` on the same prompt's text, for comparison (its tree pre-filled likewise).
-* ``tokenize (chat, local)``: LocalTokenizer.chat of the request: template render + encode.
+* ``tokenize (chat, local, whole)``: LocalTokenizer.chat of the request: template render +
+  encode of the whole prompt (a prompt seen for the first time; tokenizers whose pieces
+  cannot be encoded apart, routing.tokenize_segments).
+* ``tokenize (chat, local pieces, a new last message)``: the same conversation with a new
+  60-word user message each call, as the router's path encodes a chat: render, cut at the
+  special tokens, the 4,000-word message from the piece cache, only the new one encoded.
 * ``tokenize (worker /tokenize hop)``: the same request through RequestTokens.of for a model
   without a folder, i.e. one POST /tokenize to a simulated vLLM server (``python -m
   simulator`` in its own process, which tokenizes one token per word) over a long-lived
@@ -39,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import random
 import statistics
 import subprocess
@@ -124,6 +130,24 @@ def timed(call: Callable[[], object], calls: int, repeats: int) -> dict[str, flo
     return {"p50_us": statistics.median(p50s), "p99_us": statistics.median(p99s)}
 
 
+def new_last_message(
+    local: LocalTokenizer, body: dict[str, Any], words: list[str], rng: random.Random
+) -> Callable[[], object]:
+    """A call that tokenizes the conversation so far (cached) and a new 60-word message,
+    another each call, as the router's path does (routing.tokenize_segments)."""
+    asked = itertools.count()
+    earlier = body["messages"]
+
+    def call() -> list[int]:
+        message = f"turn {next(asked)} " + " ".join(rng.choices(words, k=60))
+        text = local.render({"messages": [*earlier, {"role": "user", "content": message}]})
+        plan = local.pieces.plan(text or "")
+        assert plan is not None, local.pieces.off
+        return local.pieces.join(plan, local.encode_pieces(plan.missing))
+
+    return call
+
+
 async def hop_samples(body: dict[str, Any], calls: int, repeats: int) -> dict[str, float]:
     """RequestTokens.of against a simulated worker in its own process (see the docstring)."""
     (port,) = free_ports(1)
@@ -195,8 +219,11 @@ def run(workers: int, calls: int, repeats: int) -> dict[str, Any]:
     results["prefix_aware"] = timed(
         lambda: prefix.select(fleet_, text_request, loads), calls, repeats
     )
-    results["tokenize (chat, local)"] = timed(
+    results["tokenize (chat, local, whole)"] = timed(
         lambda: local.chat(body), max(calls // 10, 50), repeats
+    )
+    results["tokenize (chat, local pieces, a new last message)"] = timed(
+        new_last_message(local, body, words, rng), max(calls // 10, 50), repeats
     )
     hop = asyncio.run(hop_samples(body, max(calls // 10, 50), repeats))
     results["tokenize (worker /tokenize hop)"] = hop

@@ -13,7 +13,10 @@ exactly what a worker holds must route on the same ids. Two ways to get them, in
   keeps non-ASCII, ``add_generation_prompt`` (vLLM's default: true), the special tokens of
   the config (``bos_token``, ``eos_token``, ...) and the request's ``chat_template_kwargs``;
   the text is then encoded without special tokens (vLLM's chat default: the template adds
-  them). A completions prompt is encoded with special tokens (vLLM's default there), and a
+  them), from cached pieces where the tokenizer allows it (routing.tokenize_segments: the
+  text between special tokens encoded apart, so a conversation's earlier turns are not
+  encoded again; checked against the whole on live traffic). A completions prompt is
+  encoded with special tokens (vLLM's default there), and a
   prompt of token ids is taken as it is. A text past INLINE_CHARS is encoded on a thread,
   with ``encode_batch``, which lets go of the GIL (``encode`` holds it: a 4k-word prompt
   would stall the event loop for milliseconds). Nothing is ever downloaded. A folder is read once
@@ -57,6 +60,7 @@ from tokenizers import Tokenizer
 from routing.metrics import PlainHistogram
 from routing.policies.load import least_loaded
 from routing.snapshot import ModelRoute, Snapshot, WorkerView
+from routing.tokenize_segments import PieceCache, Plan, tokenizer_json
 
 if TYPE_CHECKING:
     from jinja2 import Template
@@ -100,7 +104,9 @@ class LocalTokenizer:
 
     def __init__(self, folder: str) -> None:
         path = check_folder(folder)
-        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        raw = (path / "tokenizer.json").read_text(encoding="utf-8")
+        self.tokenizer = Tokenizer.from_str(raw)
+        self.pieces = PieceCache(self.tokenizer, tokenizer_json(raw))
         config = _read_config(path / "tokenizer_config.json")
         self.specials = {k: _token_text(config[k]) for k in _SPECIAL_TOKENS if k in config}
         extra = config.get("additional_special_tokens")
@@ -141,6 +147,13 @@ class LocalTokenizer:
     def encode(self, text: str, *, special: bool) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=special).ids
         return ids
+
+    def encode_pieces(self, pieces: list[str]) -> list[list[int]]:
+        """Pieces of a chat prompt between its special tokens, each on its own (the caller
+        cut them; routing.tokenize_segments). encode_batch lets go of the GIL."""
+        if not pieces:
+            return []
+        return [e.ids for e in self.tokenizer.encode_batch(pieces, add_special_tokens=False)]
 
     def encode_unlocked(self, text: str, special: bool) -> list[int]:
         """encode() for another thread: encode_batch lets go of the GIL while it works
@@ -208,6 +221,9 @@ class RequestTokens:
         state.update(self.load_errors)
         return state
 
+    def loaded(self) -> dict[str, LocalTokenizer]:
+        return dict(self._by_folder)
+
     def local(self, route: ModelRoute) -> LocalTokenizer | None:
         return self._by_folder.get(route.tokenizer) if route.tokenizer else None
 
@@ -255,10 +271,27 @@ class RequestTokens:
             return None
         if text is None:
             return None
+        plan = local.pieces.plan(text) if path == CHAT_PATH and not special else None
+        if plan is not None:
+            return await self._from_pieces(local, plan, text)
         if len(text) <= INLINE_CHARS:
             return local.encode(text, special=special)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._encoder, local.encode_unlocked, text, special)
+
+    async def _from_pieces(self, local: LocalTokenizer, plan: Plan, text: str) -> list[int]:
+        """A chat prompt from its cached pieces, encoding only the new ones (on the thread
+        when they are long); now and then checked against the whole, on the thread."""
+        missing, encode = plan.missing, local.encode_pieces
+        loop = asyncio.get_running_loop()
+        if sum(map(len, missing)) <= INLINE_CHARS:
+            encoded = encode(missing)
+        else:
+            encoded = await loop.run_in_executor(self._encoder, encode, missing)
+        ids = local.pieces.join(plan, encoded)
+        if local.pieces.due_check():
+            loop.run_in_executor(self._encoder, local.pieces.check, local.tokenizer, text, ids)
+        return ids
 
     def local_only(self, route: ModelRoute, body: Mapping[str, Any]) -> list[int] | None:
         """The ids a local tokenizer makes of a body, on this thread (the admin dry run)."""
@@ -349,6 +382,21 @@ class TokenizeCollector(Collector):
         for folder in self.tokens.load_errors:
             errors.add_metric([folder], 1)
         yield errors
+        yield self._pieces()
+
+    def _pieces(self) -> Metric:
+        pieces = CounterMetricFamily(
+            "controlpanel_router_tokenizer_pieces",
+            "Chat prompts' pieces between special tokens (routing.tokenize_segments), by "
+            "tokenizer folder and outcome: hit (cached), miss (encoded), check_match and "
+            "check_mismatch (a prompt encoded whole too, off the path, and compared; one "
+            "mismatch turns the folder's cache off).",
+            labels=["folder", "outcome"],
+        )
+        for folder, local in self.tokens.loaded().items():
+            for outcome in ("hit", "miss", "check_match", "check_mismatch"):
+                pieces.add_metric([folder, outcome], local.pieces.counts[outcome])
+        return pieces
 
 
 # --- helpers -------------------------------------------------------------------------------

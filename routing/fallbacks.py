@@ -8,7 +8,12 @@ When a request moves on:
 * its model (or alias, as the client named it: the *primary*) has no routable worker, or
 * its last try failed before any byte reached the client, after the retries on the
   primary's other workers (routing.proxy): the connection was refused or reset, no
-  connection or no response head came in time, or the worker answered 429, 502 or 503.
+  connection or no response head came in time, or the worker answered 429, 502 or 503, or
+* the router's own admission refused it (routing.admission: the primary's in-flight limits
+  full and its queue full, or its wait for room timed out; reason ``saturated``). Not a
+  `sheddable` request shed under load: shedding is what its class asks for, and moving it
+  to another pool would only pass the flood on. Nor a key's own limits (rate, budget):
+  those are the key's, whatever model it asks for.
 
 Never after the first byte: once the response head went out, the answer is the client's,
 whatever becomes of it. Never to a name the client's key may not use (`ClientKey.allows`):
@@ -51,6 +56,7 @@ MAX_FALLBACKS = 8  # configured per name
 MAX_CHAIN = 8  # names one request may move on to, its fallbacks' own included
 SCOPE_KEY = "controlpanel.fallbacks"  # the hops taken, for the access log
 NO_WORKER = "no_worker"
+SATURATED = "saturated"  # the primary's admission refused it (limits and queue full)
 GONE = "gone"  # a name the snapshot no longer knows (it changed during the request)
 
 Hop = dict[str, str]  # {"from": name, "to": name, "reason": why}

@@ -555,6 +555,9 @@ class RouterApp:
             explain.decided(ex.explain, policy, worker)
             ex.explain["decision"] = ex.decision
         if worker is None:
+            if ex.fallbacks and ticket.refused != "shed":  # nothing sent: a fallback takes it
+                ex.fall_back_reason = fallbacks.SATURATED
+                return
             headers = [(b"retry-after", str(self.config.retry_after_seconds).encode())]
             if ex.explain is not None:
                 headers.append((explain.HEADER, explain.encode(ex.explain)))

@@ -11,6 +11,8 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,6 +21,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client as DjangoClient
 
+from controlpanel.fleet import served_models, services
 from controlpanel.registry.accounts import ADMIN_TOKEN_ACTOR
 from controlpanel.registry.models import Alias, Event, RoutingGeneration, ServedModel
 from simulator.server import RunningSimulator
@@ -28,6 +31,8 @@ from tests.conftest import (
     RouterServer,
     StartSimulator,
     free_port,
+    start_router,
+    stop_process,
     wait_until,
 )
 from tests.keyed import bearer, issue, keyed_router  # noqa: F401 - the fixture
@@ -77,6 +82,11 @@ def access_line(router: RouterServer, request_id: str) -> dict[str, Any]:
 def chat(router: RouterServer, model: str, **extra: Any) -> httpx.Response:
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     return router.post("/v1/chat/completions", json={**body, **extra.pop("body", {})}, **extra)
+
+
+@pytest.fixture
+def backup_sim(simulator: StartSimulator) -> RunningSimulator:
+    return simulator(BACKUP)
 
 
 @pytest.fixture
@@ -165,6 +175,34 @@ def test_a_not_now_answer_falls_back_instead_of_being_relayed(
     assert f'"model":"{PRIMARY}"' in answer.text and BACKUP not in answer.text
     assert busy.state.injected_failures == 1 and backup.state.completed == 1
     assert fallbacks_counted(router, PRIMARY, BACKUP, f"status_{status}") >= 1
+
+
+def test_a_saturated_primary_falls_back_but_a_shed_request_does_not(
+    tmp_path: Path, simulator: StartSimulator, backup_sim: RunningSimulator
+) -> None:
+    """The router's own admission refusing a request (limits full, no queue room) moves it
+    on; a sheddable request shed under that load gets its 429, as its class asks."""
+    router = start_router(tmp_path, CONTROLPANEL_QUEUE_MAX="0")
+    try:
+        slow = simulator(PRIMARY, ttft_ms=1500)  # under the tests' 3 s read timeout
+        for sim in (slow, backup_sim):
+            router.wait_routable(services.worker_add(url=sim.url, actor="test"))
+        served_models.served_model_set_limit(name=PRIMARY, max_inflight=1, actor="test")
+        configure(router, PRIMARY, [BACKUP])
+        answered = backup_sim.state.completed
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            first = pool.submit(chat, router, PRIMARY)
+            wait_until(lambda: slow.state.received == 1)
+            moved = chat(router, PRIMARY)
+            shed = chat(router, PRIMARY, headers={"X-Priority": "sheddable"})
+            assert first.result().status_code == 200
+        assert moved.status_code == 200, moved.text
+        assert moved.json()["model"] == PRIMARY and backup_sim.state.completed == answered + 1
+        assert fallbacks_counted(router, PRIMARY, BACKUP, "saturated") == 1
+        assert shed.status_code == 429 and "sheddable" in shed.json()["error"]["message"]
+        assert shed.headers["retry-after"]
+    finally:
+        stop_process(router.proc)
 
 
 def test_no_response_in_time_falls_back(

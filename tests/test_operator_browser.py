@@ -1,6 +1,7 @@
 """Trouble stands out and mistakes are refused, in real headless Chromium at 1280 and 1024 px:
-no page overflows sideways, the problems banner names a degraded worker and a model with
-no routable worker, the fleet table sorts and filters, forms keep what was typed.
+no page overflows sideways, the problems banner names a degraded worker and the models and
+LoRA adapters left with no routable worker, the fleet table sorts and filters, forms keep what
+was typed.
 Screenshots in test-artifacts/ (operator-*.png)."""
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ def test_the_banner_names_a_degraded_worker_and_a_model_without_workers(
         re.compile(r"gpu-a degraded: \d+ of \d+ requests failed"), timeout=LIVE_TIMEOUT_MS
     )
     expect(problems).to_contain_text("qwen-2.5-7b: no routable worker")
+    # gpu-a alone serves the adapters; their base model still has gpu-b.
+    for adapter in ("sql-lora", "chat-lora"):
+        expect(problems).to_contain_text(
+            f"{adapter} (LoRA adapter of llama-3.1-8b-instruct): no routable worker"
+        )
     expect(operator.locator(f"#worker-{a.pk} [data-testid=state]")).to_have_text("degraded")
     expect(operator.locator(f"#worker-{a.pk} [data-testid=cause]")).to_contain_text("failed (")
     expect(operator.get_by_test_id("none-up")).to_contain_text("requests get 503")

@@ -25,7 +25,8 @@ class Problem:
 
 
 def fleet_problems(rows: list[Row]) -> list[Problem]:
-    found = _models_without_workers(model_totals(rows))
+    totals = model_totals(rows)
+    found = _models_without_workers(totals) + _adapters_without_workers(rows, totals)
     for row in rows:
         found += _worker_problems(row)
     found += _rollbacks()
@@ -37,6 +38,24 @@ def _models_without_workers(totals: list[ModelTotals]) -> list[Problem]:
         Problem("bad", f"{t.name}: no routable worker ({t.workers} registered); requests get 503",
                 f"{reverse('models')}#model-{t.name}")
         for t in totals if not t.routable
+    ]  # fmt: skip
+
+
+def _adapters_without_workers(rows: list[Row], totals: list[ModelTotals]) -> list[Problem]:
+    """LoRA adapters no routable worker serves while their base model still has one (when
+    the base has none, its own line says it all): their requests get 503 all the same."""
+    bases_up = {t.name for t in totals if t.routable}
+    adapters: dict[str, tuple[str, int, int]] = {}  # name -> (base, registered, routable)
+    for row in rows:
+        for entry in row.worker.models:
+            if entry.get("parent"):
+                _, registered, up = adapters.get(entry["id"], ("", 0, 0))
+                adapters[entry["id"]] = (entry["parent"], registered + 1, up + int(row.routable))
+    return [
+        Problem("bad", f"{name} (LoRA adapter of {base}): no routable worker ({registered} "
+                "registered); requests for it get 503", f"{reverse('models')}#model-{base}")
+        for name, (base, registered, up) in sorted(adapters.items())
+        if not up and base in bases_up
     ]  # fmt: skip
 
 

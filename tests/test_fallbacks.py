@@ -326,7 +326,9 @@ def test_every_fallback_failing_gives_one_clear_503(router: RouterServer) -> Non
     ServedModel.objects.create(name=PRIMARY)
     ServedModel.objects.create(name=BACKUP)
     configure(router, PRIMARY, [BACKUP])
-    router.wait_snapshot()  # not one still holding an earlier test's backup worker
+    # Not a snapshot still holding an earlier test's (stopped) backup worker: a generation
+    # compare cannot tell, since every test starts from a flushed database.
+    router.wait_for(lambda seen: not seen)
     answer = chat(router, PRIMARY)
     assert answer.status_code == 503 and answer.headers["retry-after"]
     message = answer.json()["error"]["message"]

@@ -180,9 +180,10 @@ def test_a_not_now_answer_falls_back_instead_of_being_relayed(
 def test_a_saturated_primary_falls_back_but_a_shed_request_does_not(
     tmp_path: Path, simulator: StartSimulator, backup_sim: RunningSimulator
 ) -> None:
-    """The router's own admission refusing a request (limits full, no queue room) moves it
-    on; a sheddable request shed under that load gets its 429, as its class asks."""
-    router = start_router(tmp_path, CONTROLPANEL_QUEUE_MAX="0")
+    """The router's own admission refusing a request (limits full, its wait for room run
+    out) moves it on; a sheddable request shed under that load gets its 429, as its class
+    asks. (A wait, not an empty queue: with Redis, the first request waits for the lease.)"""
+    router = start_router(tmp_path, CONTROLPANEL_QUEUE_TIMEOUT="0.5")
     try:
         slow = simulator(PRIMARY, ttft_ms=1500)  # under the tests' 3 s read timeout
         for sim in (slow, backup_sim):

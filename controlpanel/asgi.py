@@ -49,6 +49,7 @@ def router_config() -> RouterConfig:
         queue_max=settings.ROUTER_QUEUE_MAX,
         redis_url=settings.REDIS_URL,
         load_report_max_age=settings.ROUTER_LOAD_REPORT_MAX_AGE,
+        load_push=settings.ROUTER_LOAD_PUSH,
         kv_index_max_blocks=settings.ROUTER_KV_INDEX_MAX_BLOCKS,
     )
 

@@ -311,6 +311,9 @@ CONTROLPANEL_PROBE_INTERVAL = env_float("CONTROLPANEL_PROBE_INTERVAL", 5.0, mini
 ROUTER_LOAD_REPORT_MAX_AGE = env_float(
     "CONTROLPANEL_LOAD_REPORT_MAX_AGE", 2 * CONTROLPANEL_PROBE_INTERVAL + 1, minimum=0.0
 )
+# With REDIS_URL, push each router's in-flight changes to the others at once (routing.load_push)
+# rather than only every 50 ms: what keeps several routers from queueing at a full worker.
+ROUTER_LOAD_PUSH = env_bool("CONTROLPANEL_LOAD_PUSH", True)
 CONTROLPANEL_PROBE_TIMEOUT = env_float("CONTROLPANEL_PROBE_TIMEOUT", 3.0, minimum=0.1)
 CONTROLPANEL_UNHEALTHY_AFTER = env_int("CONTROLPANEL_UNHEALTHY_AFTER", 3, minimum=1)
 CONTROLPANEL_HEALTHY_AFTER = env_int("CONTROLPANEL_HEALTHY_AFTER", 2, minimum=1)

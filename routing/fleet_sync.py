@@ -6,7 +6,8 @@ request path, it makes one pipelined round trip to Redis that
 
 * writes its own in-flight counts per worker into the deployment's `routers` hash (with
   the time, so a router that stopped ticking stops counting after ROUTER_TTL_SECONDS),
-  and reads everyone else's: the "other routers" part of routing.policies.load's fused load;
+  and reads everyone else's: the "other routers" part of routing.policies.load's fused load
+  (in between, routing.load_push pushes each router's count changes within milliseconds);
 * appends what it learned since the last tick to a stream of its own (`events:<router>`,
   one entry per tick, only when there is something): each prefix_aware decision's (model,
   worker, prompt chain), so every router builds the same prefix index, and each ejection
@@ -50,6 +51,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import NoScriptError, RedisError
 
 from routing.leases import LEASE_SCRIPT, LEASE_TTL_MS, LeaseAsk, queued_per_worker
+from routing.load_push import LoadPush
 from routing.shared_store import SharedStore
 
 if TYPE_CHECKING:
@@ -89,8 +91,10 @@ class FleetSync:
         # waits for the sync, and a reply slowed by a busy event loop is not an outage.
         self._client = aioredis.Redis.from_url(
             store.url, socket_timeout=SYNC_TIMEOUT, socket_connect_timeout=SYNC_TIMEOUT,
-            max_connections=4,
+            max_connections=6,
         )  # fmt: skip
+        # Count changes pushed between ticks, so loads agree at saturation (its docstring).
+        self.push = LoadPush(router.instance_id, router.inflight, router.board, store, self._client)
         # The other routers' recent-decision rings (routing.explain), read every second.
         self.peer_decisions: list[dict[str, list[dict[str, Any]]]] = []
         self._rings_at = 0.0
@@ -102,12 +106,15 @@ class FleetSync:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="fleet-sync")
+        if self.router.config.load_push:
+            await self.push.start()
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self.push.stop()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             if self._namespace and self.store.up:
                 await self._client.hdel(self._key("routers"), self.router.instance_id)
@@ -139,7 +146,11 @@ class FleetSync:
 
     async def _exchange(self) -> None:
         state = msgpack.packb(
-            {"ts": time.time(), "inflight": {k: v for k, v in self.router.inflight.items() if v}}
+            {
+                "ts": time.time(),
+                "seq": self.push.seq,  # the last pushed message these counts are newer than
+                "inflight": {k: v for k, v in self.router.inflight.items() if v},
+            }
         )
         batch = self._outgoing()
         asks = self._lease_asks()
@@ -238,6 +249,8 @@ class FleetSync:
     def _fall_back(self) -> None:
         """Redis is away: this router's own counts and whole limits until it is back."""
         self.router.board.others = {}
+        self.push.active = False
+        self.push.peers.clear()
         self.peers, self.peer_ids = 0, []
         self.router.admission.leases.fall_back()
 
@@ -339,10 +352,10 @@ class FleetSync:
         return bytes(msgpack.packb({"t": time.time(), "p": credits, "e": ejections}))
 
     def _apply_routers(self, raw: Mapping[bytes, bytes]) -> None:
-        """The other live routers' in-flight counts, summed per worker."""
+        """The other live routers' in-flight counts, summed per worker (merged with what they
+        pushed since: routing.load_push)."""
         now, me = time.time(), self.router.instance_id.encode()
-        others: dict[int, int] = {}
-        peers, live = 0, set[str]()
+        states: dict[str, tuple[int, dict[int, int]]] = {}
         for router_id, packed in raw.items():
             self.bytes_in += len(packed)
             if router_id == me:
@@ -350,14 +363,14 @@ class FleetSync:
             state = msgpack.unpackb(packed, strict_map_key=False)
             if now - float(state.get("ts", 0)) > ROUTER_TTL_SECONDS:
                 continue
-            self._peer_streams.setdefault(router_id.decode(), "0")
-            live.add(router_id.decode())
-            peers += 1
-            for worker_id, count in state.get("inflight", {}).items():
-                others[int(worker_id)] = others.get(int(worker_id), 0) + int(count)
-        self.peers, self.peer_ids = peers, sorted(live)
-        self.router.board.others = others
-        for gone in set(self._peer_streams) - live:
+            peer = router_id.decode()
+            self._peer_streams.setdefault(peer, "0")
+            counts = {int(w): int(n) for w, n in state.get("inflight", {}).items()}
+            states[peer] = (int(state.get("seq", 0)), counts)
+        self.peers, self.peer_ids = len(states), sorted(states)
+        self.router.board.others = self.push.merge_hash(states)
+        self.push.active = bool(states)
+        for gone in set(self._peer_streams) - set(states):
             del self._peer_streams[gone]
 
     def _apply_stream(self, raw: Iterable[Any]) -> None:
@@ -400,6 +413,7 @@ class FleetSync:
         deployment = self.router.snapshot.deployment
         if deployment and deployment != self._namespace:
             self._namespace, self._peer_streams = deployment, {}
+            self.push.set_channel(self._key("loads"))
 
     def _key(self, name: str) -> str:
         return f"controlpanel:{self._namespace}:{name}"
@@ -451,9 +465,18 @@ def shared_state_families(sync: FleetSync | None) -> Iterator[Metric]:
         "Bytes of shared routing state this router wrote to and read from Redis.",
         labels=["direction"],
     )
-    moved.add_metric(["out"], sync.bytes_out)
-    moved.add_metric(["in"], sync.bytes_in)
+    moved.add_metric(["out"], sync.bytes_out + sync.push.bytes_out)
+    moved.add_metric(["in"], sync.bytes_in + sync.push.bytes_in)
     yield moved
+    pushes = CounterMetricFamily(
+        "controlpanel_router_shared_load_pushes",
+        "In-flight count changes pushed between sync ticks (routing.load_push): messages "
+        "this router sent, and peers' messages it applied.",
+        labels=["direction"],
+    )
+    pushes.add_metric(["out"], sync.push.sent)
+    pushes.add_metric(["in"], sync.push.received)
+    yield pushes
     credits = CounterMetricFamily(
         "controlpanel_router_shared_prefix_credits",
         "Prompts other routers routed that this router's prefix index took in.",

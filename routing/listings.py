@@ -108,9 +108,11 @@ def worker_listing(
     snapshot: Snapshot,
     inflight: Mapping[int, int],
     kv_events: Callable[[int], dict[str, Any] | None] = lambda worker_id: None,
+    load: Callable[[int], Mapping[str, int | None]] = lambda worker_id: {},
 ) -> dict[str, Any]:
-    """/list_workers: every worker the snapshot knows, with this router's in-flight count
-    and its KV event stream and index (`kv_events`, None without an endpoint)."""
+    """/list_workers: every worker the snapshot knows, with this router's in-flight count,
+    the parts of its fused load (`load`: routing.load_signal's describe) and its KV event
+    stream and index (`kv_events`, None without an endpoint)."""
     now = time.time()
     workers = [
         {
@@ -130,6 +132,7 @@ def worker_listing(
             "prefix_hit_rate": w.prefix_hit_rate,
             "metrics_age_s": _rounded(w.metrics_age),
             "kv_events": kv_events(w.id),
+            **load(w.id),
         }
         for w in snapshot.workers
     ]

@@ -6,8 +6,9 @@ read at C speed:
 
 * `own`: this router's requests in flight per worker (the router's own live dict; +1 and -1
   on the request path, the only part that changes there);
-* `others`: the other routers' in flight per worker, from routing.fleet_sync (empty without
-  Redis, or while Redis is down: the router then falls back to its own counts);
+* `others`: the other routers' in flight per worker, from routing.fleet_sync's tick and,
+  in between, routing.load_push's pushed changes (`shift`); empty without Redis, or while
+  Redis is down: the router then falls back to its own counts;
 * `reports`: per worker, the queue it last reported (vLLM's running + waiting) and when;
 * a short history of the fleet's in-flight count per worker, sampled each `refresh`, so a
   report can be corrected by what the routers sent since it was read.
@@ -43,7 +44,7 @@ class LoadBoard:
         self.own = own
         self.loads = LoadMap()
         self.report_max_age = report_max_age
-        self.others: Mapping[int, int] = {}
+        self.others: dict[int, int] = {}
         self.reports: dict[int, tuple[int, float]] = {}
         self._base: dict[int, int] = {}
         # worker id -> (sample times, fleet in-flight at each); appended only on change.
@@ -61,6 +62,15 @@ class LoadBoard:
         self.loads[worker_id] = self.loads.get(worker_id, 0) - 1
 
     # -- off the path ---------------------------------------------------------------------
+
+    def shift(self, worker_id: int, delta: int) -> None:
+        """Another router's count on the worker moved by `delta` (routing.load_push)."""
+        self.others[worker_id] = self.others.get(worker_id, 0) + delta
+        if worker_id in self._base:
+            self._base[worker_id] += delta
+            self.loads[worker_id] = self.loads.get(worker_id, 0) + delta
+            if delta < 0:  # a rise is caught by the load index's live check; a fall is not
+                self.loads.version += 1
 
     def add_reports(self, reports: Mapping[int, tuple[int, float]]) -> None:
         """Newer readings replace older ones; an older one (a snapshot built before the last

@@ -156,6 +156,7 @@ class RouterConfig:
     redis_url: str = ""  # shared state between routers (routing.shared_store, fleet_sync)
     # How long a worker's reported queue corrects the load (routing.policies.load).
     load_report_max_age: float = DEFAULT_REPORT_MAX_AGE
+    load_push: bool = True  # with redis_url: push in-flight changes (routing.load_push)
     kv_index_max_blocks: int = DEFAULT_MAX_BLOCKS_PER_WORKER  # per worker (routing.kv_index)
 
 
@@ -193,6 +194,7 @@ class Exchange:
     ok: bool = False
     answered: bool = False
     client_gone: bool = False
+    released: bool = False  # the attempt's in-flight count already given back (_release)
     # routing.explain: the explanation when the request asked for one and may have it.
     explain: dict[str, Any] | None = None
     decision: str = ""  # the policy's kind of decision, for the recent-decisions ring
@@ -245,6 +247,7 @@ class RouterApp:
         self.store = SharedStore(self.config.redis_url) if self.config.redis_url else None
         # Routing state shared with the deployment's other routers (routing.fleet_sync).
         self.sync = FleetSync(self, self.store) if self.store is not None else None
+        self.push = self.sync.push if self.sync is not None and self.config.load_push else None
         self.gate = ClientGate(self.store)  # client keys, rate limits, usage (routing.auth)
         self.ejector = Ejector(self.config.eject_after, self.config.eject_cooldown)
         self.admission = Admission(
@@ -312,7 +315,9 @@ class RouterApp:
 
     def list_workers(self) -> dict[str, Any]:
         """What /list_workers answers (routing.listings)."""
-        return listings.worker_listing(self.snapshot, self.inflight, self.kv_events.worker_status)
+        return listings.worker_listing(
+            self.snapshot, self.inflight, self.kv_events.worker_status, self.board.describe
+        )
 
     def health(self) -> dict[str, Any]:
         """What /health answers (routing.listings)."""
@@ -627,14 +632,23 @@ class RouterApp:
         worker_id, loads = worker.id, self.loads
         self.inflight[worker_id] += 1
         loads[worker_id] = loads.get(worker_id, 0) + 1
+        if (push := self.push) is not None:
+            push.changed(worker_id)
         policy.on_request_start(worker, request)
-        ex.ok = False
+        ex.ok = ex.released = False
         try:
             return await self._forward_watching_client(ex)
         finally:
-            self.inflight[worker_id] -= 1
-            loads[worker_id] = loads.get(worker_id, 0) - 1
+            if not ex.released:
+                self._release(worker_id)
             policy.on_request_complete(worker, request, ex.ok)
+
+    def _release(self, worker_id: int) -> None:
+        self.inflight[worker_id] -= 1
+        loads = self.loads
+        loads[worker_id] = loads.get(worker_id, 0) - 1
+        if self.push is not None:
+            self.push.changed(worker_id)
 
     async def _forward_watching_client(self, ex: Exchange) -> str | None:
         """Run the forward while watching for the client leaving; if it leaves, cancel the
@@ -730,6 +744,13 @@ class RouterApp:
         if status < 500:
             self.ejector.success(worker.id)
         ex.answered = True
+        if (push := self.push) is not None and push.active:
+            # The worker is done: its slot goes back, and the other routers hear of it
+            # before the client does (one loop step lets the pusher write): the client's
+            # next request, through another router, must find the slot free.
+            ex.released = True
+            self._release(worker.id)
+            await asyncio.sleep(0)
         await ex.send({"type": "http.response.body", "body": b"", "more_body": False})
         ex.ok = status < 500
 

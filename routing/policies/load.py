@@ -8,8 +8,9 @@ worker from the ``loads`` mapping the router passes it (routing.load_signal comp
 
     fleet    = requests in flight on the worker in every router of the deployment, now:
                this router's own count (exact, live) + the other routers' (shared through
-               Redis by routing.fleet_sync, at most about 100 ms old; none without Redis,
-               or while Redis is down)
+               Redis: routing.load_push's pushed changes, a few ms old, and
+               routing.fleet_sync's 50 ms tick behind them; none without Redis, or while
+               Redis is down)
     reported = the worker's own count of requests it holds (vLLM's running + waiting), as
                its last probe or agent heartbeat read it, at time t
     load     = fleet + max(0, reported - fleet(t))    when the report is fresh

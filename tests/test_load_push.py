@@ -1,0 +1,123 @@
+"""Pushed in-flight counts (routing.load_push): routers at a saturated pool agree at once.
+
+The merge rules are checked on a real LoadBoard; the behaviour end to end, with two router
+processes on the test database and a real Redis, simulated workers with one batch slot each
+and the official openai client (CI's second tier runs it; it fails there rather than skips).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import msgpack
+import openai
+import pytest
+
+from routing.load_push import LoadPush
+from routing.load_signal import LoadBoard
+from routing.shared_store import SharedStore
+from simulator.server import RunningSimulator
+from tests.conftest import RouterServer, StartSimulator, wait_until
+from tests.test_many_routers import join, metric, needs_redis, routers, use_policy
+
+__all__ = ["routers"]  # the fixture, used by name
+
+
+def board_with(peer_counts: dict[int, int]) -> tuple[LoadPush, LoadBoard]:
+    own: defaultdict[int, int] = defaultdict(int)
+    board = LoadBoard(own)
+    push = LoadPush("me", own, board, SharedStore("redis://127.0.0.1:1/0"), None)  # type: ignore[arg-type]
+    board.others = push.merge_hash({"peer": (5, peer_counts)})
+    board.refresh(time.time(), [1, 2])
+    return push, board
+
+
+def message(sender: str, seq: int, counts: dict[int, int]) -> bytes:
+    return sender.encode() + b" " + msgpack.packb([seq, counts])
+
+
+def test_a_pushed_change_moves_the_load_at_once_and_an_older_hash_does_not_undo_it() -> None:
+    push, board = board_with({1: 3, 2: 1})
+    assert board.loads == {1: 3, 2: 1}
+    version = board.loads.version
+    push.apply(message("peer", 6, {1: 2}))
+    assert board.loads[1] == 2 and board.loads.version > version  # a fall re-reads indexes
+    # The hash written before that message (seq 5) arrives later: the push stays.
+    assert push.merge_hash({"peer": (5, {1: 3, 2: 1})}) == {1: 2, 2: 1}
+    # A hash written after it (seq 6, newer counts) replaces it.
+    assert push.merge_hash({"peer": (6, {2: 1})}) == {2: 1}
+
+
+def test_own_stale_unknown_and_malformed_messages_change_nothing() -> None:
+    push, board = board_with({1: 3})
+    push.apply(message("me", 9, {1: 0}))  # its own, back from the channel
+    push.apply(message("peer", 4, {1: 0}))  # older than what is known
+    push.apply(message("stranger", 1, {1: 0}))  # not live in the hash yet
+    assert board.loads[1] == 3 and push.received == 0
+    with pytest.raises((ValueError, msgpack.UnpackException)):
+        push.apply(b"peer \xc1")
+
+
+def test_a_missed_message_lets_the_next_hash_win_whatever_its_number() -> None:
+    push, _ = board_with({1: 3})
+    push.apply(message("peer", 8, {1: 1}))  # 6 and 7 were missed
+    assert push.merge_hash({"peer": (7, {1: 2})}) == {1: 2}
+
+
+def stream(client: openai.OpenAI, tokens: int) -> None:
+    chunks = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "go"}], max_tokens=tokens, stream=True
+    )
+    for _ in chunks:
+        pass
+
+
+@needs_redis
+@pytest.mark.django_db(transaction=True)
+def test_a_slot_freed_through_one_router_is_taken_at_once_through_the_other(
+    routers: Callable[..., list[RouterServer]], simulator: StartSimulator
+) -> None:
+    """Two workers of one batch slot each. A long stream holds one; a stream through the
+    first router holds the other and ends; the client's next request, through the second
+    router 10 ms later (a fifth of a sync tick), must take the freed slot, not queue behind
+    the long stream. Counts shared only by the 50 ms tick get this right about half the time
+    (the two workers look equally loaded), so six trials in a row fail it."""
+    first, second = routers(2)
+    sims = [simulator("m", ttft_ms=5, itl_ms=5, max_batch=1) for _ in range(2)]
+    join(sims, first, second)
+    use_policy("shortest_queue", first, second)
+    wait_until(lambda: metric(second, "controlpanel_router_shared_peers") == 1)
+    one, two = (openai.OpenAI(base_url=f"{r.url}/v1", api_key="x", max_retries=0)
+                for r in (first, second))  # fmt: skip
+    for trial in range(6):
+        holder = threading.Thread(target=stream, args=(one, 200))  # about a second
+        holder.start()
+        wait_until(lambda: sum(sim.state.running for sim in sims) == 1)
+        held = next(i for i, sim in enumerate(sims) if sim.state.running)
+        held_by_id = held_id(first, sims[held])
+        wait_until(lambda h=held_by_id: second.workers()[h]["inflight_elsewhere"] == 1)
+        stream(one, 60)  # the other worker's slot, about 0.3 s: every tick sees it
+        time.sleep(0.01)
+        before = [sim.state.received for sim in sims]
+        stream(two, 2)
+        took = [i for i in range(2) if sims[i].state.received > before[i]]
+        assert took == [1 - held], f"trial {trial}: the freed slot was not taken"
+        holder.join()
+    assert (metric(second, "controlpanel_router_shared_load_pushes_total", direction="in") or 0) > 0
+
+
+def held_id(router: RouterServer, sim: RunningSimulator) -> int:
+    return next(w["id"] for w in router.workers().values() if w["url"] == sim.url)
+
+
+def test_pushing_is_a_no_op_until_another_router_is_live() -> None:
+    own: defaultdict[int, int] = defaultdict(int)
+    push = LoadPush("me", own, LoadBoard(own), SharedStore("redis://127.0.0.1:1/0"), None)  # type: ignore[arg-type]
+    push.changed(1)
+    assert not push._dirty
+    push.active = True
+    push.changed(1)
+    assert push._dirty == {1}

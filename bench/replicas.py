@@ -43,7 +43,7 @@ noise hits every set-up alike; every figure is the median over rounds and every 
 median of per-round ratios (``bench/replicas_report.py``).
 
 Usage: ``.venv/bin/python bench/replicas.py [--quick] [--rounds N] [--only SETUP]
-[--workload W] [--baseline FILE]``. Prints a markdown report on stdout (progress on stderr)
+[--workload W] [--kv [--tokenizer]] [--policy P] [--baseline FILE]``. Prints a markdown report on stdout (progress on stderr)
 and writes ``bench/out/replicas-<timestamp>.json``; ``--baseline`` compares one router's CPU
 per request with an earlier run's JSON. Exit 0 when every request succeeded (targets may FAIL
 in the report), 1 otherwise. Every subprocess, the temporary directory, the database and the
@@ -77,6 +77,7 @@ from bench.replicas_setups import (
     POLICY_SETTLE_S,
     ROUTERS2,
     SETUPS,
+    TOKENIZER,
     WORKER_EXTRA,
     Setup,
     ensure_haproxy,
@@ -86,6 +87,7 @@ from bench.replicas_setups import (
     stop_setup,
 )
 from bench.routing_modes import POLICY_CONFIGS
+from bench.routing_policies import session_words
 from bench.routing_workloads import FULL, QUICK, SEED, build_workloads, working_set
 from bench.shared_services import (
     DEFAULT_PG_URL,
@@ -95,6 +97,8 @@ from bench.shared_services import (
     flush_redis,
     redis_url,
 )
+from bench.tokenizer_folder import build_word_tokenizer_folder
+from simulator.tokens import output_text
 
 DEFAULT_ROUNDS = 3
 # (workload, policy) in the order every set-up runs them; prefix_aware never twice in a row.
@@ -114,7 +118,9 @@ AWAY = "round_robin"  # switched to and back when a stateful policy would be reu
 # --------------------------------------------------------------------------- the benchmark
 
 
-async def start_workers(proc: harness.Fleet, cache_blocks: int, kv: bool) -> rf.Fleet:
+async def start_workers(
+    proc: harness.Fleet, cache_blocks: int, kv: bool, tokenizer: str = ""
+) -> rf.Fleet:
     """The four simulated workers (publishing KV events with `kv`) and Celery. The routing
     benchmark's Fleet type carries them (its counters read only `workers`); this benchmark
     has no single router or floor."""
@@ -125,7 +131,7 @@ async def start_workers(proc: harness.Fleet, cache_blocks: int, kv: bool) -> rf.
     for i, port in enumerate(ports):
         rf.start_sim(
             proc, f"worker{i}", port, cache_blocks, rf.PREFILL_MS_PER_BLOCK,
-            pairs[i] if kv else None,
+            pairs[i] if kv else None, tokenizer,
         )  # fmt: skip
     rf.start_celery(proc)
     urls = [f"http://{HOST}:{p}" for p in ports]
@@ -255,7 +261,14 @@ async def benchmark(
     chats = build_workloads(scale, SEED)
     ws = working_set(chats["prefix"])
     log(f"starting {rf.N_WORKERS} simulated workers and Celery ...")
-    workers = await start_workers(proc, ws["cache_blocks_per_worker"], args.kv)
+    tokenizer = ""
+    if args.tokenizer:
+        words = {w for load in chats.values() for s in load.sessions for w in session_words(s)}
+        vocabulary = sorted(words | set(output_text(rf.MAX_TOKENS).split()))
+        tokenizer = str(build_word_tokenizer_folder(proc.tmp / "tokenizer", vocabulary))
+        TOKENIZER["folder"] = tokenizer
+        log(f"tokenizer folder {tokenizer}: one token per word, {len(vocabulary)} words")
+    workers = await start_workers(proc, ws["cache_blocks_per_worker"], args.kv, tokenizer)
     plan = [
         (w, p)
         for w, p in PLAN
@@ -312,6 +325,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "and the plan adds kv_aware on prefix and skewed",
     )
     parser.add_argument(
+        "--tokenizer",
+        action="store_true",
+        help="with --kv: a tokenizer folder made here on the workloads' words, loaded by the "
+        "workers and named as the model's tokenizer, so kv_aware tokenizes locally "
+        "(routing_policies.py --tokenizer's)",
+    )
+    parser.add_argument(
         "--policy",
         action="append",
         metavar="P",
@@ -336,6 +356,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.rounds = 1 if args.quick else DEFAULT_ROUNDS
     if not 1 <= args.rounds <= 20:
         parser.error("--rounds must be between 1 and 20")
+    if args.tokenizer and not args.kv:
+        parser.error("--tokenizer needs --kv")
     if not 1 <= args.redis_db <= 15:
         parser.error("--redis-db must be between 1 and 15 (db 0 is everyone's default)")
     if args.baseline is not None and not args.baseline.is_file():
@@ -376,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             "only": args.only,
             "workload": args.workload,
             "kv": args.kv,
+            "tokenizer": args.tokenizer,
             "policy": args.policy,
             "workers": rf.N_WORKERS,
             "database": f"{db.name} on {args.pg_url.rpartition('/')[0]}",

@@ -38,7 +38,7 @@ import orjson
 
 from bench import harness
 from bench.harness import HOST, PYTHON, ROOT, log
-from bench.routing_fleet import MODEL, wait_kv_ready
+from bench.routing_fleet import MODEL, use_tokenizer, wait_kv_ready, wait_tokenizer_loaded
 
 HAPROXY = Path("/usr/sbin/haproxy")
 STOP_TIMEOUT_S = 15.0
@@ -229,6 +229,9 @@ REGISTERED: list[str] = []  # worker URLs registered in the bench database
 # More registration fields by worker URL (replicas.py --kv: kv_events, kv_events_replay); with
 # them, every router of a set-up must also follow each worker's KV events before it runs.
 WORKER_EXTRA: dict[str, dict[str, Any]] = {}
+# replicas.py --tokenizer: the folder named as the model's tokenizer (once, after the workers
+# are registered); every router of a set-up must have loaded it before it runs.
+TOKENIZER: dict[str, str] = {}
 
 
 async def ensure_registered(
@@ -243,6 +246,8 @@ async def ensure_registered(
             http, proc, setup.admin, workers, name=name, extra=WORKER_EXTRA
         )
         REGISTERED.extend(workers)
+        if TOKENIZER:
+            await use_tokenizer(http, proc, setup.admin, TOKENIZER["folder"])
 
     async def routable(url: str) -> bool:
         async with http.get(f"{url}/list_workers") as resp:
@@ -257,6 +262,8 @@ async def ensure_registered(
             )
         if WORKER_EXTRA:
             await wait_kv_ready(http, proc, url, workers)
+        for _ in range(3 if TOKENIZER and setup.name == ROUTERS2 else 1 if TOKENIZER else 0):
+            await wait_tokenizer_loaded(http, proc, url, TOKENIZER["folder"])
 
 
 def stop_setup(proc: harness.Fleet, setup: Setup) -> None:

@@ -181,6 +181,13 @@ async def use_tokenizer(
     async with session.patch(f"{router}/api/models/{MODEL}", data=body, headers=headers) as r:
         if r.status != 200:
             raise RuntimeError(f"PATCH tokenizer: {r.status} {await r.text()}")
+    await wait_tokenizer_loaded(session, proc, router, folder)
+
+
+async def wait_tokenizer_loaded(
+    session: aiohttp.ClientSession, proc: harness.Fleet, router: str, folder: str
+) -> None:
+    """Until the router (a process behind `router`) reports the folder loaded."""
 
     async def loaded() -> bool:
         async with session.get(f"{router}/health") as resp:

@@ -19,6 +19,10 @@ after it, so no idle router takes CPU from another set-up's runs:
 * ``replicas2``, ``replicas3``: two or three routers behind haproxy (Debian's package, installed
   by the benchmark when missing; round robin per request, ``option http-no-delay``, keep-alive
   on both sides, 600 s client and server timeouts);
+* ``replicas2c``, only when named with ``--only``: two replicas behind haproxy in TCP mode
+  (round robin per connection), so each client's keep-alive connection stays with one
+  replica (how a Kubernetes Service balances: per connection, not per request); reported
+  beside the stream target as another condition, never for it;
 * ``oracle``: no router; the client picks the worker itself (the routing benchmark's oracle:
   group g to worker g mod 4; round robin for the workloads without prefixes).
 
@@ -43,7 +47,8 @@ noise hits every set-up alike; every figure is the median over rounds and every 
 median of per-round ratios (``bench/replicas_report.py``).
 
 Usage: ``.venv/bin/python bench/replicas.py [--quick] [--rounds N] [--only SETUP]
-[--workload W] [--kv [--tokenizer]] [--policy P] [--baseline FILE]``. Prints a markdown report on stdout (progress on stderr)
+[--workload W] [--kv [--tokenizer]] [--policy P] [--baseline FILE]``. Prints a markdown report
+on stdout (progress on stderr)
 and writes ``bench/out/replicas-<timestamp>.json``; ``--baseline`` compares one router's CPU
 per request with an earlier run's JSON. Exit 0 when every request succeeded (targets may FAIL
 in the report), 1 otherwise. Every subprocess, the temporary directory, the database and the
@@ -73,8 +78,10 @@ from bench.harness import HOST, JSON_HEADERS, PYTHON, ROOT, log
 from bench.replicas_measure import WORKLOADS, run_one
 from bench.replicas_report import medians, report, targets
 from bench.replicas_setups import (
+    ALL_SETUPS,
     ORACLE,
     POLICY_SETTLE_S,
+    REPLICAS2C,
     ROUTERS2,
     SETUPS,
     TOKENIZER,
@@ -253,7 +260,7 @@ async def benchmark(
     log(f"migrating {db.name} ...")
     proc.run([PYTHON, "manage.py", "migrate", "--noinput"])
     unavailable: dict[str, str] = {}
-    setups = [s for s in SETUPS if not args.only or s in args.only]
+    setups = [s for s in ALL_SETUPS if s in args.only] if args.only else list(SETUPS)
     if ROUTERS2 in setups and not serve_has_routers(proc):
         unavailable[ROUTERS2] = "not available in this build (`manage.py serve` has no --routers)"
         setups.remove(ROUTERS2)
@@ -306,9 +313,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--only",
         action="append",
-        choices=SETUPS,
+        choices=ALL_SETUPS,
         metavar="SETUP",
-        help=f"run only this set-up (repeatable): {', '.join(SETUPS)}",
+        help=f"run only this set-up (repeatable): {', '.join(ALL_SETUPS)} ({REPLICAS2C}: "
+        "two replicas behind haproxy in TCP mode, a client connection kept on one replica; "
+        "only when named)",
     )
     parser.add_argument(
         "--workload",

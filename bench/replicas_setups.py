@@ -8,9 +8,12 @@ A library for that script, not a script:
 * **haproxy** from Debian's package: :func:`ensure_haproxy` installs it with apt-get when
   ``/usr/sbin/haproxy`` is missing (root only), :func:`haproxy_config` writes its config
   (round robin over the replicas, ``option http-no-delay``, keep-alive on both sides, long
-  timeouts for streams, bound on 127.0.0.1 only).
+  timeouts for streams, bound on 127.0.0.1 only); for ``replicas2c`` haproxy in TCP mode
+  (layer 4, round robin per connection), so a client's keep-alive connection stays with one
+  replica, as a Kubernetes Service (kube-proxy) balances connections rather than requests.
 * **Set-ups** (:data:`SETUPS`): one router, one replica with ``manage.py serve --routers 2``
-  (when this build has the option), two and three replicas behind haproxy, and the client
+  (when this build has the option), two and three replicas behind haproxy balancing
+  requests, two balancing connections (``replicas2c``, not in the default run), and the client
   oracle (no router at all). :func:`start_setup` starts one on the shared database, waits until
   every router lists the workers as routable, and :func:`stop_setup` stops it again, so no idle
   router of another set-up takes CPU from a measured one.
@@ -53,12 +56,16 @@ POLICY_WAIT_S = 8.0
 ROUTER_FLAGS = ("--lifespan", "on", "--no-access-log")
 
 ONE, ROUTERS2, REPLICAS2, REPLICAS3, ORACLE = "one", "routers2", "replicas2", "replicas3", "oracle"
+REPLICAS2C = "replicas2c"  # haproxy keeps a client connection on one replica
 SETUPS = (ONE, ROUTERS2, REPLICAS2, REPLICAS3, ORACLE)
+OPTIONAL_SETUPS = (REPLICAS2C,)  # run only when named with --only
+ALL_SETUPS = (*SETUPS[:-1], *OPTIONAL_SETUPS, SETUPS[-1])  # the report's order
 LABELS = {
     ONE: "one router",
     ROUTERS2: "one replica, serve --routers 2",
     REPLICAS2: "2 replicas + haproxy",
     REPLICAS3: "3 replicas + haproxy",
+    REPLICAS2C: "2 replicas + haproxy per connection",
     ORACLE: "client oracle",
 }
 MULTI = (ROUTERS2, REPLICAS2, REPLICAS3)
@@ -129,17 +136,44 @@ backend replicas
 """
 
 
-def haproxy_config(port: int, replica_ports: list[int]) -> str:
+HAPROXY_TCP_CONFIG = """\
+global
+    maxconn 8192
+
+defaults
+    mode tcp
+    timeout connect 5s
+    timeout client 600s
+    timeout server 600s
+    timeout queue 30s
+
+frontend routers
+    bind {host}:{port}
+    default_backend replicas
+
+backend replicas
+    balance roundrobin
+    option httpchk GET /health
+    http-check expect status 200
+{servers}
+"""
+
+
+def haproxy_config(port: int, replica_ports: list[int], per_connection: bool = False) -> str:
     servers = "\n".join(
         f"    server r{i} {HOST}:{p} check inter 2s maxconn 4096"
         for i, p in enumerate(replica_ports)
     )
+    if per_connection:  # layer 4: each client connection to one replica, as kube-proxy does
+        return HAPROXY_TCP_CONFIG.format(host=HOST, port=port, servers=servers)
     return HAPROXY_CONFIG.format(host=HOST, port=port, servers=servers)
 
 
-def start_haproxy(proc: harness.Fleet, name: str, port: int, replica_ports: list[int]) -> int:
+def start_haproxy(
+    proc: harness.Fleet, name: str, port: int, replica_ports: list[int], per_connection: bool
+) -> int:
     path = proc.tmp / f"{name}.cfg"
-    path.write_text(haproxy_config(port, replica_ports))
+    path.write_text(haproxy_config(port, replica_ports, per_connection))
     check = subprocess.run([str(HAPROXY), "-c", "-q", "-f", str(path)], capture_output=True)
     if check.returncode != 0:
         raise RuntimeError(f"haproxy rejects {path}:\n{check.stderr.decode()[-2000:]}")
@@ -196,7 +230,7 @@ async def start_setup(
     """Start `name`'s processes, and wait until every router routes to all `workers`."""
     if name == ORACLE:
         return Setup(name, "", {}, [])
-    n = {ONE: 1, ROUTERS2: 1, REPLICAS2: 2, REPLICAS3: 3}[name]
+    n = {ONE: 1, ROUTERS2: 1, REPLICAS2: 2, REPLICAS3: 3, REPLICAS2C: 2}[name]
     ports = harness.free_ports(n + 1)
     routers: dict[str, int] = {}
     for i in range(n):
@@ -212,9 +246,9 @@ async def start_setup(
             f"{url}/health", partial(harness.http_ok, http, url + "/health"), proc, timeout=90
         )
     await ensure_registered(http, proc, setup, workers)
-    if name in (REPLICAS2, REPLICAS3):
+    if name in (REPLICAS2, REPLICAS3, REPLICAS2C):
         hname = f"{name}-haproxy"
-        setup.haproxy_pid = start_haproxy(proc, hname, ports[n], ports[:n])
+        setup.haproxy_pid = start_haproxy(proc, hname, ports[n], ports[:n], name == REPLICAS2C)
         setup.procs.append(hname)
         setup.front = f"http://{HOST}:{ports[n]}"
         await harness.wait_until(

@@ -80,7 +80,7 @@ class LoadPush:
         self.seq = 0
         self.active = False  # other routers are live and Redis is up
         self.peers: dict[str, PeerCounts] = {}
-        self.sent = self.received = self.bytes_out = self.bytes_in = 0
+        self.sent = self.received = self.bytes_out = self.bytes_in = self.malformed = 0
         self._dirty: set[int] = set()
         self._wake = asyncio.Event()
         self._sender: asyncio.Task[None] | None = None
@@ -132,12 +132,28 @@ class LoadPush:
                 others[worker_id] = others.get(worker_id, 0) + count
         return others
 
+    def take(self, data: bytes) -> None:
+        """A message off the channel: applied, or counted and logged if malformed (one bad
+        message must not stop the subscriber)."""
+        self.bytes_in += len(data)
+        try:
+            self.apply(data)
+        except (ValueError, TypeError, AttributeError, UnicodeDecodeError, msgpack.UnpackException):
+            self.malformed += 1
+            log.warning("ignored a malformed pushed load message (%d bytes)", len(data))
+
     def apply(self, data: bytes) -> None:
         """One peer's pushed message: its new counts, and the differences to the loads."""
         if data.startswith(self._prefix):
             return  # this router's own, back from the channel
         sender, _, packed = data.partition(b" ")
         seq, counts = msgpack.unpackb(packed, strict_map_key=False)
+        if not (
+            isinstance(seq, int)
+            and isinstance(counts, dict)
+            and all(isinstance(w, int) and isinstance(n, int) for w, n in counts.items())
+        ):
+            raise TypeError("a pushed load message is [seq, {worker id: count}]")
         known = self.peers.get(sender.decode())
         if known is None or seq <= known.seq:
             return  # a router not seen live yet is taken in from its hash state
@@ -200,11 +216,7 @@ class LoadPush:
                 if message is None or message.get("type") != "message":
                     continue
                 data = message["data"]
-                self.bytes_in += len(data)
-                try:
-                    self.apply(data)
-                except (ValueError, TypeError, UnicodeDecodeError, msgpack.UnpackException):
-                    log.warning("ignored a malformed pushed load message")
+                self.take(data)
         finally:
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]

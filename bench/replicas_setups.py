@@ -113,15 +113,10 @@ global
     maxconn 8192
 
 defaults
-    mode http
-    option http-no-delay
-    option http-keep-alive
-    http-reuse safe
-    timeout connect 5s
+    mode {mode}
+{http_options}    timeout connect 5s
     timeout client 600s
     timeout server 600s
-    timeout http-request 30s
-    timeout http-keep-alive 30s
     timeout queue 30s
 
 frontend routers
@@ -134,28 +129,13 @@ backend replicas
     http-check expect status 200
 {servers}
 """
-
-
-HAPROXY_TCP_CONFIG = """\
-global
-    maxconn 8192
-
-defaults
-    mode tcp
-    timeout connect 5s
-    timeout client 600s
-    timeout server 600s
-    timeout queue 30s
-
-frontend routers
-    bind {host}:{port}
-    default_backend replicas
-
-backend replicas
-    balance roundrobin
-    option httpchk GET /health
-    http-check expect status 200
-{servers}
+# Layer 7 (per request): no delay on the streams' small writes, keep-alive on both sides.
+HTTP_OPTIONS = """\
+    option http-no-delay
+    option http-keep-alive
+    http-reuse safe
+    timeout http-request 30s
+    timeout http-keep-alive 30s
 """
 
 
@@ -164,9 +144,11 @@ def haproxy_config(port: int, replica_ports: list[int], per_connection: bool = F
         f"    server r{i} {HOST}:{p} check inter 2s maxconn 4096"
         for i, p in enumerate(replica_ports)
     )
-    if per_connection:  # layer 4: each client connection to one replica, as kube-proxy does
-        return HAPROXY_TCP_CONFIG.format(host=HOST, port=port, servers=servers)
-    return HAPROXY_CONFIG.format(host=HOST, port=port, servers=servers)
+    # Layer 4 when per connection: each client connection to one replica, as kube-proxy does.
+    mode, options = ("tcp", "") if per_connection else ("http", HTTP_OPTIONS)
+    return HAPROXY_CONFIG.format(
+        mode=mode, http_options=options, host=HOST, port=port, servers=servers
+    )
 
 
 def start_haproxy(

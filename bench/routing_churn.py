@@ -1,12 +1,20 @@
 """The ``churn`` workload of ``bench/routing_policies.py --kv``, and kv_aware's figures.
 
 A library for that script, not a script. ``churn`` is the ``prefix`` workload (the same
-seeded sessions) during which one worker's prefix cache is cleared once half of the requests
-have been sent: the worker that has received the most requests by then (the home of the most
-traffic) gets vLLM's ``POST /reset_prefix_cache``, so its cache empties and it publishes
-``AllBlocksCleared``, as its cache would be empty after a restart. It is not a process restart
-(the process, its KV events sequence and its connections stay), so the router's reconnect and
-sequence-restart paths are not exercised here (tests/test_kv_e2e.py covers them).
+seeded sessions) during which one worker loses its cache once half of the requests have been
+sent: the worker that has received the most requests by then (the home of the most traffic).
+How (``routing_policies.py --churn``):
+
+* ``restart`` (the default): a rolling restart, as an operator does it. The worker is
+  drained through the admin API; once the router has nothing in flight on it, its process is
+  stopped (SIGTERM) and started again with the same command, on the same ports; once it
+  answers ``/health`` it is activated. The new process has an empty cache and a KV events
+  sequence that starts again at 0, and it never publishes ``AllBlocksCleared``: the router
+  must see the restart from the sequence and its reconnect. Meanwhile the other workers
+  take its traffic.
+* ``clear``: vLLM's ``POST /reset_prefix_cache`` on the running worker, which empties its
+  cache and publishes ``AllBlocksCleared`` (the process, its sequence and its connections
+  stay).
 
 What is measured around the clear (:class:`Churn`):
 
@@ -43,29 +51,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import signal
 import statistics
 import time
+from functools import partial
 from typing import Any
 
 import aiohttp
 import orjson
 
-from bench.routing_fleet import Fleet, check_delta, read_fleet, router_cache_checks
+from bench import harness
+from bench.routing_fleet import Fleet, admin_headers, check_delta, read_fleet, router_cache_checks
 from bench.routing_load import Hooks, Outcome
 from bench.routing_modes import DIRECT_MODES, policy_of
 from bench.routing_workloads import Session, Workload
 
 CHURN = "churn"
+RESTART, CLEAR = "restart", "clear"
 POLL_S = 0.1
 CHECKED_POLICIES = ("kv_aware", "prefix_aware")
 
 
-def churn_workload(prefix: Workload) -> Workload:
+WHAT = {
+    RESTART: "is restarted (drained, its process stopped and started again, activated)",
+    CLEAR: "has its cache cleared (POST /reset_prefix_cache, AllBlocksCleared)",
+}
+
+
+def churn_workload(prefix: Workload, how: str = RESTART) -> Workload:
     return Workload(
         CHURN,
         f"the prefix workload ({prefix.description}); once half of its {prefix.requests} "
-        "requests are sent, the busiest worker's cache is cleared (POST /reset_prefix_cache, "
-        "AllBlocksCleared)",
+        f"requests are sent, the busiest worker {WHAT[how]}",
         prefix.sessions,
     )
 
@@ -88,8 +105,11 @@ class Churn:
     """One churn run's hooks: counts requests, clears the busiest worker's cache halfway,
     and follows what the cleared worker serves afterwards."""
 
-    def __init__(self, http: aiohttp.ClientSession, fleet: Fleet, workload: Workload, mode: str):
-        self.http, self.fleet, self.mode = http, fleet, mode
+    def __init__(
+        self, http: aiohttp.ClientSession, fleet: Fleet, workload: Workload, mode: str,
+        how: str = RESTART,
+    ) -> None:  # fmt: skip
+        self.http, self.fleet, self.mode, self.how = http, fleet, mode, how
         self.total = workload.requests
         self.sent = self.finished = 0
         self.halfway = asyncio.Event()
@@ -140,9 +160,12 @@ class Churn:
         readings, before = await asyncio.gather(read_fleet(self.http, self.fleet), self._checks())
         victim = max(range(len(readings)), key=lambda i: readings[i].received)
         url = self.fleet.workers[victim]
-        async with self.http.post(url + "/reset_prefix_cache") as resp:
-            await resp.read()
-            status = resp.status
+        if self.how == RESTART:
+            status = await restart_worker(self.http, self.fleet, victim)
+        else:
+            async with self.http.post(url + "/reset_prefix_cache") as resp:
+                await resp.read()
+                status = resp.status
         self.cleared = True
         self.in_flight_at_clear = set(self.unfinished)
         cleared_at = time.monotonic() - t0
@@ -163,6 +186,7 @@ class Churn:
         prompt = sum(o.prompt_tokens or 0 for o in served)
         return {
             "victim": victim,
+            "how": self.how,
             "clear_status": status,
             "cleared_after_s": cleared_at,
             "sent_at_clear": sent_at_clear,
@@ -178,6 +202,42 @@ class Churn:
             "victim_after_cached_share": cached / prompt if prompt else math.nan,
             "victim_after_cold": sum(1 for o in served if not o.cached_tokens),
         }
+
+
+async def restart_worker(http: aiohttp.ClientSession, fleet: Fleet, victim: int) -> int:
+    """Drain, stop, start again, activate (the module docstring's ``restart``); returns the
+    activation's HTTP status."""
+    worker_id, url, headers = fleet.worker_ids[victim], fleet.workers[victim], admin_headers(fleet)
+    api = f"{fleet.router}/api/workers/{worker_id}"
+    async with http.post(api + "/drain", headers=headers) as resp:
+        await resp.read()
+
+    async def idle() -> bool:
+        async with http.get(fleet.router + "/list_workers") as resp:
+            listed = orjson.loads(await resp.read())["workers"]
+        return any(w["id"] == worker_id and not w["inflight"] for w in listed)
+
+    await harness.wait_until(f"nothing in flight on worker{victim}", idle, fleet.proc)
+    name = f"worker{victim}"
+    old = next(p for n, p in fleet.proc.procs if n == name)
+    old.send_signal(signal.SIGTERM)
+    old.wait(timeout=10)
+    fleet.proc.procs.remove((name, old))
+    fleet.proc.spawn(name, list(old.args))  # type: ignore[arg-type]
+    await harness.wait_until(
+        f"{url}/health (restarted)", partial(harness.http_ok, http, url + "/health"), fleet.proc
+    )
+    async with http.post(api + "/activate", headers=headers) as resp:
+        await resp.read()
+        status = resp.status
+
+    async def routable() -> bool:
+        async with http.get(fleet.router + "/list_workers") as resp:
+            listed = orjson.loads(await resp.read())["workers"]
+        return any(w["id"] == worker_id and w["routable"] for w in listed)
+
+    await harness.wait_until(f"worker{victim} routable again", routable, fleet.proc)
+    return status
 
 
 # --------------------------------------------------------------------------- report
@@ -283,12 +343,13 @@ def kv_lines(result: dict[str, Any]) -> list[str]:
     """The churn section of the report."""
     if not any(d["workload"] == CHURN for d in result["rounds_detail"]):
         return []
+    hows = {c.get("how", CLEAR) for d in result["rounds_detail"] for c in d.get("churn") or ()}
+    how = hows.pop() if len(hows) == 1 else CLEAR
     return [
-        "### `churn`: one worker's cache cleared halfway",
+        f"### `churn`: the busiest worker {how}ed halfway",
         "",
-        "The busiest worker's cache is cleared with vLLM's POST /reset_prefix_cache "
-        "(AllBlocksCleared) once half of the requests are sent: its cache is empty as after a "
-        "restart, but the process is not restarted. The cache check is the router's (per "
+        f"Once half of the requests are sent, the busiest worker {WHAT[how]}; the windows "
+        "count from when it is back ('the clear'). The cache check is the router's (per "
         "policy, every worker: the window after the clear includes the other workers' "
         "evictions too); over-promised = predicted minus reported tokens. 'cold': requests the "
         "cleared worker served after the clear with 0 cached tokens reported.",

@@ -57,12 +57,13 @@ With ``--kv`` (issue 15) the workers also publish KV cache events (registered wi
 ``kv_events`` and a replay endpoint) and report ``usage.prompt_tokens_details.cached_tokens``;
 every stream asks for its usage, so the router's cache check gives each run's prediction
 accuracy; ``kv_aware`` can be selected; and the ``churn`` workload (``bench/routing_churn.py``)
-clears the busiest worker's cache halfway through the ``prefix`` sessions.
+restarts the busiest worker halfway through the ``prefix`` sessions (``--churn restart``, a
+rolling restart: drain, stop and start, activate) or clears its cache (``--churn clear``).
 
 Usage: ``.venv/bin/python bench/routing_policies.py [--quick] [--kv] [--only-workload NAME]...
-[--policies a,b,...]``. Prints a markdown report on stdout (progress on stderr) and writes the
-figures to ``bench/out/routing-<timestamp>.json``. All traffic stays on 127.0.0.1; every
-subprocess is stopped on exit, error or Ctrl-C.
+[--policies a,b,...] [--churn restart|clear]``. Prints a markdown report on stdout
+(progress on stderr) and writes the figures to ``bench/out/routing-<timestamp>.json``. All
+traffic stays on 127.0.0.1; every subprocess is stopped on exit, error or Ctrl-C.
 
 This script runs the workloads mode by mode and round by round. Its parts: the fleet and its
 counters in ``bench/routing_fleet.py``, the workloads and the cache sizing in
@@ -89,7 +90,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for `python b
 from bench import harness
 from bench.harness import JSON_HEADERS, PYTHON, ROOT, log
 from bench.routing_affinity import affinity_phase, affinity_workload
-from bench.routing_churn import CHURN, Churn, churn_workload
+from bench.routing_churn import CHURN, CLEAR, RESTART, Churn, churn_workload
 from bench.routing_fleet import (
     BLOCK_SIZE,
     CELERY_RESTARTS,
@@ -134,11 +135,11 @@ DEFAULT_ROUNDS = 3
 # --------------------------------------------------------------------------- the benchmark
 
 
-def all_workloads(scale: Scale, kv: bool) -> dict[str, Workload]:
+def all_workloads(scale: Scale, kv: bool, how: str = RESTART) -> dict[str, Workload]:
     """The seeded workloads; with --kv also `churn` (bench/routing_churn.py)."""
     workloads = build_workloads(scale, SEED)
     if kv:
-        workloads[CHURN] = churn_workload(workloads["prefix"])
+        workloads[CHURN] = churn_workload(workloads["prefix"], how)
     return workloads
 
 
@@ -205,7 +206,8 @@ async def run_workload(
         for mode in modes[k:] + modes[:k]:  # rotate the order from round to round
             if not await mode_ready(http, switch, mode, skipped):
                 continue
-            hooks = Churn(http, fleet, workload, mode).hooks() if name == CHURN else None
+            churn = Churn(http, fleet, workload, mode, args.churn) if name == CHURN else None
+            hooks = churn.hooks() if churn is not None else None
             run = await run_one(http, fleet, workload, mode, f"{name}-{mode}-{r}", hooks)
             measured[mode].append(run)
             one = summarize(name, mode, [run])
@@ -242,7 +244,7 @@ def session_words(session: Session) -> list[str]:
 
 async def benchmark(args: argparse.Namespace, proc: harness.Fleet) -> dict[str, Any]:
     scale = QUICK if args.quick else FULL
-    workloads = all_workloads(scale, args.kv)
+    workloads = all_workloads(scale, args.kv, args.churn)
     ws = working_set(workloads["prefix"])
     for line in sizing_lines(ws):
         log(line)
@@ -313,6 +315,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="workers publish KV cache events (registered with kv_events and a replay "
         "endpoint) and report cached tokens (--enable-prompt-tokens-details); streams ask "
         "for usage; adds the churn workload; kv_aware can be selected",
+    )
+    parser.add_argument(
+        "--churn",
+        choices=(RESTART, CLEAR),
+        default=RESTART,
+        help="how the churn workload's busiest worker loses its cache halfway: restart (a "
+        "rolling restart: drain, stop and start its process, activate) or clear (POST "
+        "/reset_prefix_cache on the running process); default restart",
     )
     parser.add_argument(
         "--rounds",
@@ -401,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
             },
             "python": PYTHON,
         },
-        "workloads": {n: w.description for n, w in all_workloads(scale, args.kv).items()},
+        "workloads": {
+            n: w.description for n, w in all_workloads(scale, args.kv, args.churn).items()
+        },
         "duration_s": round(time.monotonic() - started, 1),
         **measured,
     }

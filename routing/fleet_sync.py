@@ -471,12 +471,14 @@ def shared_state_families(sync: FleetSync | None) -> Iterator[Metric]:
     pushes = CounterMetricFamily(
         "controlpanel_router_shared_load_pushes",
         "In-flight count changes pushed between sync ticks (routing.load_push): messages "
-        "this router sent, peers' messages it applied, and malformed ones it ignored.",
+        "this router sent, peers' messages it applied, malformed ones it ignored, and "
+        "sends that failed.",
         labels=["direction"],
     )
     pushes.add_metric(["out"], sync.push.sent)
     pushes.add_metric(["in"], sync.push.received)
     pushes.add_metric(["malformed"], sync.push.malformed)
+    pushes.add_metric(["failed"], sync.push.errors)
     yield pushes
     credits = CounterMetricFamily(
         "controlpanel_router_shared_prefix_credits",

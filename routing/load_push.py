@@ -81,6 +81,7 @@ class LoadPush:
         self.active = False  # other routers are live and Redis is up
         self.peers: dict[str, PeerCounts] = {}
         self.sent = self.received = self.bytes_out = self.bytes_in = self.malformed = 0
+        self.errors = 0
         self._dirty: set[int] = set()
         self._wake = asyncio.Event()
         self._sender: asyncio.Task[None] | None = None
@@ -188,7 +189,10 @@ class LoadPush:
             try:
                 await self.client.publish(self.channel, packed)
             except (RedisError, OSError, TimeoutError) as exc:
-                self.store.mark_down(exc)
+                # Not marked down here: a publish sent during an outage can time out after
+                # Redis is back, and the sync tick and the store's ping judge outages.
+                self.errors += 1
+                log.debug("pushing in-flight counts failed: %s", exc)
                 continue
             self.sent += 1
             self.bytes_out += len(packed)

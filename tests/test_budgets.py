@@ -218,7 +218,9 @@ async def sync(ledger: BudgetLedger, namespace: str, *keys: ClientKey, url: str 
 @needs_redis
 def test_two_ledgers_share_their_counts_through_redis(redis_namespace: str) -> None:
     """Two routers: each pushes its charges and reads the sum, so both refuse together."""
-    clock = Clock(datetime(2026, 12, 1, 12, 0, tzinfo=UTC))
+    # Today: Redis expires a counter at its period's end plus EXPIRE_AFTER on its own clock,
+    # so a fixed date's counters would be gone as soon as they were written.
+    clock = Clock(datetime.now(UTC).replace(hour=12, minute=0, second=0, microsecond=0))
     first, second = BudgetLedger(clock), BudgetLedger(clock)
     daily = key(daily_tokens=100)
     first.charge(daily.prefix, 60)

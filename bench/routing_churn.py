@@ -110,6 +110,8 @@ class Churn:
         how: str = RESTART,
     ) -> None:  # fmt: skip
         self.http, self.fleet, self.mode, self.how = http, fleet, mode, how
+        # A restart takes about a second of the run's few: it starts at a quarter, not half.
+        self.restarting = how == RESTART and mode not in DIRECT_MODES
         self.total = workload.requests
         self.sent = self.finished = 0
         self.halfway = asyncio.Event()
@@ -126,7 +128,7 @@ class Churn:
         self.unfinished.add(rid)
         if self.cleared:
             self.after.add(rid)
-        if self.sent == self.total // 2:
+        if self.sent == self.total // (4 if self.restarting else 2):
             self.halfway.set()
 
     def on_done(self, rid: str, result: Outcome) -> None:
@@ -160,7 +162,7 @@ class Churn:
         readings, before = await asyncio.gather(read_fleet(self.http, self.fleet), self._checks())
         victim = max(range(len(readings)), key=lambda i: readings[i].received)
         url = self.fleet.workers[victim]
-        if self.how == RESTART:
+        if self.restarting:
             status = await restart_worker(self.http, self.fleet, victim)
         else:
             async with self.http.post(url + "/reset_prefix_cache") as resp:
@@ -186,7 +188,9 @@ class Churn:
         prompt = sum(o.prompt_tokens or 0 for o in served)
         return {
             "victim": victim,
-            "how": self.how,
+            # The client-side modes send to the workers themselves, with nothing to drain
+            # them: their worker's cache is cleared instead.
+            "how": CLEAR if self.mode in DIRECT_MODES else self.how,
             "clear_status": status,
             "cleared_after_s": cleared_at,
             "sent_at_clear": sent_at_clear,
@@ -343,13 +347,16 @@ def kv_lines(result: dict[str, Any]) -> list[str]:
     """The churn section of the report."""
     if not any(d["workload"] == CHURN for d in result["rounds_detail"]):
         return []
-    hows = {c.get("how", CLEAR) for d in result["rounds_detail"] for c in d.get("churn") or ()}
+    routed = [d for d in result["rounds_detail"] if d["mode"] not in DIRECT_MODES]
+    hows = {c.get("how", CLEAR) for d in routed for c in d.get("churn") or ()}
     how = hows.pop() if len(hows) == 1 else CLEAR
     return [
-        f"### `churn`: the busiest worker {how}ed halfway",
+        f"### `churn`: the busiest worker {how}ed",
         "",
-        f"Once half of the requests are sent, the busiest worker {WHAT[how]}; the windows "
-        "count from when it is back ('the clear'). The cache check is the router's (per "
+        f"Once half of the requests are sent (a quarter for a restart, which takes about a "
+        f"second), the busiest worker {WHAT[how]}; the windows "
+        "count from when it is back ('the clear'). The client-side modes (no router to drain "
+        "through) have the cache cleared instead. The cache check is the router's (per "
         "policy, every worker: the window after the clear includes the other workers' "
         "evictions too); over-promised = predicted minus reported tokens. 'cold': requests the "
         "cleared worker served after the clear with 0 cached tokens reported.",

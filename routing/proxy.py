@@ -746,8 +746,9 @@ class RouterApp:
         ex.answered = True
         if (push := self.push) is not None and push.active:
             # The worker is done: its slot goes back, and the other routers hear of it
-            # before the client does (one loop step lets the pusher write): the client's
-            # next request, through another router, must find the slot free.
+            # before the client does (one loop step lets an idle pusher write; a busy one
+            # sends it within 5 ms): the client's next request, through another router,
+            # should find the slot free.
             ex.released = True
             self._release(worker.id)
             await asyncio.sleep(0)

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import msgpack
 import openai
@@ -21,9 +22,19 @@ from routing.load_signal import LoadBoard
 from routing.shared_store import SharedStore
 from simulator.server import RunningSimulator
 from tests.conftest import RouterServer, StartSimulator, wait_until
-from tests.test_many_routers import join, metric, needs_redis, routers, sees, use_policy
+from tests.test_many_routers import (
+    REDIS_URL,
+    join,
+    metric,
+    needs_redis,
+    routers,
+    sees,
+    use_policy,
+)
+from tests.test_store_outage import TcpRelay
 
 __all__ = ["routers"]  # the fixture, used by name
+PUSHES = "controlpanel_router_shared_load_pushes_total"
 
 
 def board_with(peer_counts: dict[int, int]) -> tuple[LoadPush, LoadBoard]:
@@ -110,7 +121,7 @@ def test_a_slot_freed_through_one_router_is_taken_at_once_through_the_other(
         took = [i for i in range(2) if sims[i].state.received > before[i]]
         assert took == [1 - held], f"trial {trial}: the freed slot was not taken"
         holder.join()
-    assert (metric(second, "controlpanel_router_shared_load_pushes_total", direction="in") or 0) > 0
+    assert (metric(second, PUSHES, direction="in") or 0) > 0
 
 
 def held_id(router: RouterServer, sim: RunningSimulator) -> int:
@@ -125,3 +136,48 @@ def test_pushing_is_a_no_op_until_another_router_is_live() -> None:
     push.active = True
     push.changed(1)
     assert push._dirty == {1}
+
+
+@needs_redis
+@pytest.mark.django_db(transaction=True)
+def test_pushes_stop_while_redis_is_away_and_resume_when_it_is_back(
+    routers: Callable[..., list[RouterServer]], simulator: StartSimulator
+) -> None:
+    """Both routers reach Redis through a relay that is cut and restored: requests are
+    served meanwhile, and the subscriber resubscribes by itself afterwards."""
+    target = urlsplit(REDIS_URL)
+    relay = TcpRelay((target.hostname or "127.0.0.1", target.port or 6379))
+    try:
+        via_relay = REDIS_URL.replace(target.netloc, f"127.0.0.1:{relay.port}")
+        first, second = routers(2, REDIS_URL=via_relay)
+        sims = [simulator("m", max_batch=8) for _ in range(2)]
+        join(sims, first, second)
+        wait_until(lambda: sees(second, first) and sees(first, second))
+        client = openai.OpenAI(base_url=f"{first.url}/v1", api_key="x", max_retries=0)
+
+        def pushed_in() -> float:
+            return (
+                metric(second, "controlpanel_router_shared_load_pushes_total", direction="in") or 0
+            )
+
+        stream(client, 2)
+        wait_until(lambda: pushed_in() > 0)
+        relay.down()
+        wait_until(lambda: not second.get("/health").json()["shared_state"]["up"])
+        for _ in range(5):
+            stream(client, 2)  # served from local state
+        relay.up()
+        wait_until(lambda: sees(second, first) and sees(first, second), timeout=10)
+        before = pushed_in()
+
+        def resumed() -> bool:
+            stream(client, 2)
+            return pushed_in() > before
+
+        wait_until(resumed, timeout=10)
+        assert (
+            metric(first, "controlpanel_router_shared_load_pushes_total", direction="malformed")
+            == 0
+        )
+    finally:
+        relay.down()

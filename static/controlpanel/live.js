@@ -70,13 +70,22 @@
     return holder.firstElementChild;
   }
 
+  // A plan's fragment rendered before the page was loaded can arrive after it (a pause's,
+  // after the resume's reload): each transition bumps the plan's version, and an older
+  // fragment never replaces a newer one.
+  function replaceIfCurrent(old, fresh) {
+    if (Number(fresh.dataset.version || 0) >= Number(old.dataset.version || 0)) {
+      old.replaceWith(fresh);
+    }
+  }
+
   function applyRollouts(plans) {
     Object.keys(plans).forEach(function (id) {
       var row = document.getElementById("rollout-row-" + id);
-      if (row) row.replaceWith(rowFromHtml(plans[id].row));
+      if (row) replaceIfCurrent(row, rowFromHtml(plans[id].row));
       else if (plansBody) plansBody.insertBefore(rowFromHtml(plans[id].row), plansBody.firstChild);
       var panel = document.getElementById("rollout-panel-" + id);
-      if (panel) panel.replaceWith(elementFromHtml(plans[id].panel));
+      if (panel) replaceIfCurrent(panel, elementFromHtml(plans[id].panel));
     });
   }
 

@@ -85,6 +85,7 @@ class FleetSync:
         # Peer router id -> the last entry read of its stream; a new peer's from its start.
         self._peer_streams: dict[str, str] = {}
         self._reading = False
+        self._was_down = False
         self._task: asyncio.Task[None] | None = None
         self._lease_sha: str | None = None  # the lease script, once loaded into Redis
         # A pool of its own with a longer timeout than the request path's (0.25 s): nothing
@@ -134,9 +135,15 @@ class FleetSync:
         self._follow_deployment()
         self._enable_outboxes()
         if self.up:
+            if self._was_down:
+                # Idle pooled connections died with the outage unnoticed; the first use of
+                # one would fail and mark Redis down again just after it came back.
+                await self._client.connection_pool.disconnect(inuse_connections=False)
+                self._was_down = False
             await self._exchange()
             await self._sync_budgets()
         else:
+            self._was_down = True
             self._fall_back()
             self._drop_outboxes()
         snapshot = self.router.snapshot

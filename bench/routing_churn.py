@@ -61,6 +61,7 @@ import aiohttp
 import orjson
 
 from bench import harness
+from bench.routing_affinity import routable
 from bench.routing_fleet import Fleet, admin_headers, check_delta, read_fleet, router_cache_checks
 from bench.routing_load import Hooks, Outcome
 from bench.routing_modes import DIRECT_MODES, policy_of
@@ -235,12 +236,9 @@ async def restart_worker(http: aiohttp.ClientSession, fleet: Fleet, victim: int)
         await resp.read()
         status = resp.status
 
-    async def routable() -> bool:
-        async with http.get(fleet.router + "/list_workers") as resp:
-            listed = orjson.loads(await resp.read())["workers"]
-        return any(w["id"] == worker_id and w["routable"] for w in listed)
-
-    await harness.wait_until(f"worker{victim} routable again", routable, fleet.proc)
+    await harness.wait_until(
+        f"worker{victim} routable again", partial(routable, http, fleet, worker_id), fleet.proc
+    )
     return status
 
 

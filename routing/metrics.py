@@ -78,8 +78,8 @@ from prometheus_client.registry import Collector
 
 from routing.admission_metrics import admission_families, priority_families
 from routing.fallbacks import fallbacks_family
-from routing.fleet_sync import shared_state_families
 from routing.gpu_metrics import gpu_families
+from routing.shared_metrics import shared_state_families
 from routing.snapshot import WorkerView
 from routing.vllm_metrics import vllm_families
 

@@ -22,6 +22,7 @@ from tests.test_browser import (  # noqa: F401
     ARTIFACTS,
     LIVE_TIMEOUT_MS,
     browser,
+    follow,
     logged_in_page,
     screenshot,
 )
@@ -84,7 +85,7 @@ def test_events_page_filters_the_audit_trail_by_actor_and_kind(
 
     rows = operator.locator("#event-rows li[data-event-id]")
     operator.get_by_test_id("filter-actor").select_option("admin:operator")
-    operator.get_by_test_id("filter-apply").click()
+    follow(operator, "filter-apply")
     expect(rows).to_have_count(1)
     expect(rows.first).to_contain_text("weight 1.0 → 4.0")
     expect(rows.first.get_by_test_id("event-actor")).to_have_text("by admin:operator")
@@ -92,7 +93,7 @@ def test_events_page_filters_the_audit_trail_by_actor_and_kind(
 
     operator.get_by_test_id("filter-actor").select_option("")
     operator.get_by_test_id("filter-kind").select_option("worker_changed")
-    operator.get_by_test_id("filter-apply").click()
+    follow(operator, "filter-apply")
     expect(rows).to_have_count(2)
     assert row_actors(operator) == ["admin-token", "admin:operator"]
     expect(rows.first).to_contain_text("weight 4.0 → 2.0")
@@ -122,7 +123,7 @@ def test_events_page_filters_the_audit_trail_by_actor_and_kind(
     assert COMMAND in options(operator, "actor")
     assert "api_key_created" in options(operator, "kind")
     operator.get_by_test_id("filter-actor").select_option(COMMAND)
-    operator.get_by_test_id("filter-apply").click()
+    follow(operator, "filter-apply")
     expect(rows).to_have_count(1)
     expect(rows.first).to_have_attribute("data-kind", "api_key_created")
 

@@ -82,6 +82,13 @@ def screenshot(page: Page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / name), full_page=True)
 
 
+def follow(page: Page, test_id: str) -> None:
+    """Clicks a link or a GET form's button and waits for the page it loads: what is read
+    straight after must come from the new page, not from the one being left."""
+    with page.expect_navigation():
+        page.get_by_test_id(test_id).click()
+
+
 def row(page: Page, worker_id: int) -> str:
     return f"#worker-{worker_id}"
 

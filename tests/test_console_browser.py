@@ -22,6 +22,7 @@ from tests.test_browser import (  # noqa: F401
     ARTIFACTS,
     LIVE_TIMEOUT_MS,
     browser,
+    follow,
     logged_in_page,
     screenshot,
 )
@@ -162,18 +163,18 @@ def test_events_page_filters_colours_and_goes_live(
         assert overflow <= 0, (width, overflow)
 
     operator.get_by_test_id("filter-kind").select_option("worker_joined")
-    operator.get_by_test_id("filter-apply").click()
+    follow(operator, "filter-apply")
     expect(rows).to_have_count(2)
     operator.get_by_test_id("filter-worker").select_option(str(b.pk))
-    operator.get_by_test_id("filter-apply").click()
+    follow(operator, "filter-apply")
     expect(rows).to_have_count(1)
     expect(rows.first).to_contain_text("ev-b")
     # The filters are a link: they survive the round trip and show what was chosen.
     expect(operator.get_by_test_id("filter-kind")).to_have_value("worker_joined")
-    operator.get_by_test_id("filter-clear").click()
+    follow(operator, "filter-clear")
     expect(rows).to_have_count(6)
     operator.get_by_test_id("filter-actor").select_option("operator")
-    operator.get_by_test_id("filter-apply").click()
+    follow(operator, "filter-apply")
     assert _kinds(operator) == ["drain_started"]
     operator.goto(f"{router.url}/events/?since=1h")
     expect(rows).to_have_count(5)  # the unhealthy event from two days ago is out
@@ -181,7 +182,7 @@ def test_events_page_filters_colours_and_goes_live(
     assert sorted(_kinds(operator)) == ["worker_degraded", "worker_unhealthy"]
     operator.get_by_test_id("filter-q").fill("round_robin")
     operator.get_by_test_id("filter-severity").select_option("")
-    operator.get_by_test_id("filter-apply").click()
+    follow(operator, "filter-apply")
     assert _kinds(operator) == ["policy_changed"]
 
     # Live, with the page's own filters: a new degraded event appears, a join does not.

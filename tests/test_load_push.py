@@ -81,6 +81,18 @@ def test_a_missed_message_lets_the_next_hash_win_whatever_its_number() -> None:
     assert push.merge_hash({"peer": (7, {1: 2})}) == {1: 2}
 
 
+def hold(client: openai.OpenAI, release: threading.Event) -> None:
+    """A stream that holds its batch slot (up to 20 s) until `release` is set, then hangs
+    up: a loaded machine may take a while to show it, and it must not end before the test
+    has looked."""
+    with client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "go"}], max_tokens=4000, stream=True
+    ) as chunks:
+        for _ in chunks:
+            if release.is_set():
+                break
+
+
 def stream(client: openai.OpenAI, tokens: int) -> None:
     chunks = client.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "go"}], max_tokens=tokens, stream=True
@@ -108,7 +120,8 @@ def test_a_slot_freed_through_one_router_is_taken_at_once_through_the_other(
     one, two = (openai.OpenAI(base_url=f"{r.url}/v1", api_key="x", max_retries=0)
                 for r in (first, second))  # fmt: skip
     for trial in range(6):
-        holder = threading.Thread(target=stream, args=(one, 200))  # about a second
+        release = threading.Event()
+        holder = threading.Thread(target=hold, args=(one, release))
         holder.start()
         wait_until(lambda: sum(sim.state.running for sim in sims) == 1)
         held = next(i for i, sim in enumerate(sims) if sim.state.running)
@@ -117,10 +130,17 @@ def test_a_slot_freed_through_one_router_is_taken_at_once_through_the_other(
         stream(one, 60)  # the other worker's slot, about 0.3 s: every tick sees it
         time.sleep(0.01)
         before = [sim.state.received for sim in sims]
-        stream(two, 2)
+        # On the held worker it would queue behind the holder: read where it went, then free.
+        following = threading.Thread(target=stream, args=(two, 2))
+        following.start()
+        sent = sum(before)
+        wait_until(lambda n=sent: sum(sim.state.received for sim in sims) > n)
         took = [i for i in range(2) if sims[i].state.received > before[i]]
-        assert took == [1 - held], f"trial {trial}: the freed slot was not taken"
+        release.set()
         holder.join()
+        following.join()
+        assert took == [1 - held], f"trial {trial}: the freed slot was not taken"
+        wait_until(lambda: not any(sim.state.running for sim in sims))  # the hang-up freed it
     assert (metric(second, PUSHES, direction="in") or 0) > 0
 
 

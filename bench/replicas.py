@@ -228,6 +228,7 @@ async def run_setup(
             log(
                 f"  r{rnd + 1} {name:<9} {workload:<6} {policy:<16} hit {run.hit_rate:5.3f} "
                 f"TTFT mean {run.ttft_mean_ms:6.1f} p99 {run.ttft_p99_ms:6.1f} ms "
+                f"(engine {run.engine_ttft_ms:5.1f}, queue {run.queue_wait_ms:5.1f}) "
                 f"| {run.rps:7.1f} req/s | workers {run.per_worker} | router CPU "
                 f"{run.router_cpu_ms_per_req:.3f} ms/req | accuracy {run.accuracy:.3f} "
                 f"({run.checked:.0f}) | errors {run.errors} "

@@ -198,6 +198,10 @@ class Run:
     # checked, and the number checked.
     accuracy: float = math.nan
     checked: float = 0.0
+    # Engine-side means over the run's requests (bench.routing_fleet.ENGINE_SUMS): the wait
+    # for a batch slot, and wait + prefill. The client's TTFT minus the engine's is the hop.
+    queue_wait_ms: float = math.nan
+    engine_ttft_ms: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -265,6 +269,7 @@ async def run_one(
     redis_after = redis_memory(redis_url)
     cpu, busy, other = cpu_delta(cpu_before, cpu_after)
     pairs = list(zip(fleet_after, fleet_before, strict=True))
+    queue_ms, engine_ms = rf.engine_means_ms(fleet_after, fleet_before)
     queries = sum(a.queries - b.queries for a, b in pairs)
     hits = sum(a.hits - b.hits for a, b in pairs)
     per_worker = [a.received - b.received for a, b in pairs]
@@ -308,6 +313,8 @@ async def run_one(
         shared_bytes=published,
         shared_bytes_per_s=published / sent.wall_s if published is not None else None,
         accuracy=within / checked if checked else math.nan,
+        queue_wait_ms=queue_ms,
+        engine_ttft_ms=engine_ms,
         checked=checked,
     )
 

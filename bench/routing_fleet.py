@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -308,16 +309,29 @@ def cpu_figures(before: CpuMark, after: CpuMark) -> tuple[float, float, float, d
 # --------------------------------------------------------------------------- worker counters
 
 
-def prefix_counters(text: str) -> tuple[float, float]:
-    """(queries, hits) in tokens from one worker's /metrics page."""
-    queries = hits = 0.0
+# Sums read from a worker's /metrics page: prefix-cache tokens, and the engine's own
+# queue wait and time to first token (sum and count), which split a mode's client-side TTFT
+# into the wait for a batch slot (where the routing put it), the engine's prefill (what the
+# cache saved) and the hop (what is left: proxy, load generator, the machine's contention).
+ENGINE_SUMS = {
+    "vllm:prefix_cache_queries_total": "queries",
+    "vllm:prefix_cache_hits_total": "hits",
+    "vllm:request_queue_time_seconds_sum": "queue_s",
+    "vllm:request_queue_time_seconds_count": "queued",
+    "vllm:time_to_first_token_seconds_sum": "engine_ttft_s",
+    "vllm:time_to_first_token_seconds_count": "engine_firsts",
+}
+
+
+def engine_sums(text: str) -> dict[str, float]:
+    """ENGINE_SUMS' keys -> their sum over the page's samples (0 when absent)."""
+    out = dict.fromkeys(ENGINE_SUMS.values(), 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "vllm:prefix_cache_queries_total":
-                queries += sample.value
-            elif sample.name == "vllm:prefix_cache_hits_total":
-                hits += sample.value
-    return queries, hits
+            key = ENGINE_SUMS.get(sample.name)
+            if key is not None:
+                out[key] += sample.value
+    return out
 
 
 def policy_decisions(text: str) -> dict[tuple[str, str], float]:
@@ -390,14 +404,33 @@ class WorkerReading:
     received: int
     running: int
     waiting: int
+    queue_s: float = 0.0
+    queued: float = 0.0
+    engine_ttft_s: float = 0.0
+    engine_firsts: float = 0.0
 
 
 async def read_worker(session: aiohttp.ClientSession, url: str) -> WorkerReading:
     async with session.get(url + "/metrics") as resp:
-        queries, hits = prefix_counters(await resp.text())
+        sums = engine_sums(await resp.text())
     async with session.get(url + "/sim/stats") as resp:
         stats = orjson.loads(await resp.read())
-    return WorkerReading(queries, hits, stats["received"], stats["running"], stats["waiting"])
+    return WorkerReading(
+        received=stats["received"], running=stats["running"], waiting=stats["waiting"], **sums
+    )
+
+
+def engine_means_ms(after: list[WorkerReading], before: list[WorkerReading]) -> tuple[float, float]:
+    """(mean queue wait, mean engine TTFT) in ms over the requests between two readings."""
+    pairs = list(zip(after, before, strict=True))
+    queued = sum(a.queued - b.queued for a, b in pairs)
+    firsts = sum(a.engine_firsts - b.engine_firsts for a, b in pairs)
+    queue_s = sum(a.queue_s - b.queue_s for a, b in pairs)
+    ttft_s = sum(a.engine_ttft_s - b.engine_ttft_s for a, b in pairs)
+    return (
+        1000 * queue_s / queued if queued else math.nan,
+        1000 * ttft_s / firsts if firsts else math.nan,
+    )
 
 
 async def read_fleet(session: aiohttp.ClientSession, fleet: Fleet) -> list[WorkerReading]:

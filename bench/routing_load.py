@@ -15,7 +15,7 @@ import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,6 +217,10 @@ class Measured:
     # The router's cache-check counter deltas by policy (routing/cache_check.py).
     checks: dict[str, dict[str, float]] = field(default_factory=dict)
     churn: dict[str, Any] | None = None  # bench/routing_churn.py's figures, on `churn`
+    # Engine-side, from the workers' histograms: (seconds summed, requests) of the wait for
+    # a batch slot, and of the engine's own time to first token (wait + prefill).
+    queue: tuple[float, float] = (0.0, 0.0)
+    engine_ttft: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass
@@ -251,6 +255,10 @@ class RunResult:
     checks: dict[str, float] = field(default_factory=dict)
     accuracy: float = math.nan  # within one block / checked
     churn: list[dict[str, Any]] = field(default_factory=list)  # per round, on `churn`
+    # Engine-side means, pooled: the wait for a batch slot, and wait + prefill. The client's
+    # TTFT minus the engine's is the hop (proxy, load generator, the machine's contention).
+    queue_wait_ms: float = math.nan
+    engine_ttft_ms: float = math.nan
 
 
 def summarize(workload: str, mode: str, runs: list[Measured]) -> RunResult:
@@ -306,7 +314,17 @@ def summarize(workload: str, mode: str, runs: list[Measured]) -> RunResult:
         checks=dict(checks),
         accuracy=checks["within_block"] / checks["checked"] if checks["checked"] else math.nan,
         churn=[m.churn for m in runs if m.churn is not None],
+        queue_wait_ms=_pooled_ms(m.queue for m in runs),
+        engine_ttft_ms=_pooled_ms(m.engine_ttft for m in runs),
     )
+
+
+def _pooled_ms(parts: Iterable[tuple[float, float]]) -> float:
+    """Seconds summed over requests counted, pooled, in ms."""
+    total = count = 0.0
+    for seconds, n in parts:
+        total, count = total + seconds, count + n
+    return 1000 * total / count if count else math.nan
 
 
 def pickers(fleet: Fleet) -> dict[str, Picker]:
@@ -381,4 +399,8 @@ async def run_one(
         cpu_by_group_s=by_group,
         checks=check_delta(checks_after, checks_before),
         churn=churn,
-    )
+        queue=(sum(a.queue_s - b.queue_s for a, b in pairs),
+               sum(a.queued - b.queued for a, b in pairs)),
+        engine_ttft=(sum(a.engine_ttft_s - b.engine_ttft_s for a, b in pairs),
+                     sum(a.engine_firsts - b.engine_firsts for a, b in pairs)),
+    )  # fmt: skip

@@ -181,7 +181,8 @@ async def mode_ready(
 def log_run(r: int, mode: str, one: RunResult) -> None:
     log(
         f"  r{r + 1} {mode:<16} TTFT mean {one.ttft_mean_ms:6.1f} p99 "
-        f"{one.ttft_p99_ms:6.1f} ms | {one.rps:6.1f} req/s | hit "
+        f"{one.ttft_p99_ms:6.1f} ms (engine {one.engine_ttft_ms:5.1f}, queue "
+        f"{one.queue_wait_ms:5.1f}) | {one.rps:6.1f} req/s | hit "
         f"{one.hit_rate:.3f} | per worker {one.per_worker} | errors "
         f"{one.errors} | {one.wall_s:.1f} s"
     )

@@ -67,10 +67,11 @@ KIND_NOTES = {
 
 def workload_table(runs: list[dict[str, Any]], workload: str) -> list[str]:
     lines = [
-        "| mode | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | req/s | prefix hit rate "
+        "| mode | TTFT mean ms | engine TTFT / queue wait ms | TTFT p50 ms | TTFT p99 ms "
+        "| req/s | prefix hit rate "
         "| requests per worker | errors | proxy CPU ms/req | policy decisions "
         "| prediction accuracy (checked) |",
-        "|---|--:|--:|--:|--:|--:|---|--:|--:|---|--:|",
+        "|---|--:|--:|--:|--:|--:|--:|---|--:|--:|---|--:|",
     ]
     for r in runs:
         if r["workload"] != workload:
@@ -78,7 +79,9 @@ def workload_table(runs: list[dict[str, Any]], workload: str) -> list[str]:
         label = r["mode"] + KIND_NOTES.get(r["kind"], "")
         decisions = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["decisions"].items())) or "-"
         lines.append(
-            f"| {label} | {fmt(r['ttft_mean_ms'])} | {fmt(r['ttft_p50_ms'])} "
+            f"| {label} | {fmt(r['ttft_mean_ms'])} "
+            f"| {fmt(r.get('engine_ttft_ms', math.nan))} / {fmt(r.get('queue_wait_ms', math.nan))} "
+            f"| {fmt(r['ttft_p50_ms'])} "
             f"| {fmt(r['ttft_p99_ms'])} | {fmt(r['rps'])} | {fmt(r['hit_rate'], 3)} "
             f"| {' / '.join(str(n) for n in r['per_worker'])} | {r['errors']} "
             f"| {fmt(r['router_cpu_ms_per_req'], 2) if r['kind'] != 'client' else '-'} "

@@ -17,11 +17,14 @@ deployment (``controlpanel:<deployment>:loads``):
   change goes at once, and under load the changes batch by themselves, so a router sends
   at most 200 messages a second however many requests it serves. Nothing is sent while no
   other router is live or Redis is down.
-* **Where it gives up.** A slot freed by a finished request is given back, and its message
-  written, before the client's last bytes leave (routing.proxy). A client that sends its
-  next request through another router faster than Redis passes the message on (on a busy
-  2-core machine Redis takes 1-4 ms; a closed-loop client can take under 1 ms) still finds
-  the slot counted: bench/RESULTS.md has the measurements.
+* **Telling before the client knows.** A slot freed by a finished request is given back
+  when the worker's last bytes arrive, and those bytes (a stream's ``data: [DONE]``) reach
+  the client only once Redis has taken the message (`delivered`, at most
+  DELIVERY_WAIT_SECONDS): Redis writes it to every subscriber as it answers the publisher,
+  so it is on its way to the other routers before the client can send its next request,
+  through whichever router. Without the wait, a closed-loop client (under 1 ms) beat the
+  message through Redis (1-4 ms on a busy 2-core machine): bench/RESULTS.md. The wait
+  costs a stream's end one Redis round trip, and only while other routers are live.
 * **Receiving.** One subscriber task per router applies a peer's message to that peer's
   counts, and the difference at once to the fused loads (`LoadBoard.shift`). Its own
   messages come back too (one channel for all); they are dropped by their id prefix,
@@ -59,6 +62,9 @@ RESUBSCRIBE_SECONDS = 0.5
 # Messages a router sends leave at least this far apart: a lone change goes at once, and
 # under load the changes of 5 ms go in one message (at most 200 a second per router).
 PUSH_MIN_GAP_SECONDS = 0.005
+# The longest a finished request's last bytes wait for its release to reach Redis: past
+# it, Redis is slow enough that the client should not wait for it.
+DELIVERY_WAIT_SECONDS = 0.02
 
 
 @dataclass
@@ -84,6 +90,10 @@ class LoadPush:
         self.errors = 0
         self._dirty: set[int] = set()
         self._wake = asyncio.Event()
+        # Waiting for the next message (changes noted since the last one), and for the one
+        # being published: each resolved once Redis has answered it (or failed to).
+        self._waiters: list[asyncio.Future[None]] = []
+        self._publishing: list[asyncio.Future[None]] | None = None
         self._sender: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
 
@@ -95,6 +105,20 @@ class LoadPush:
             self._dirty.add(worker_id)
             if not self._wake.is_set():
                 self._wake.set()
+
+    async def delivered(self) -> None:
+        """Returns once every change noted so far is in a message Redis has answered, or
+        after DELIVERY_WAIT_SECONDS, or at once when nothing is pending."""
+        if self._dirty:
+            waiters = self._waiters
+        elif self._publishing is not None:
+            waiters = self._publishing
+        else:
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters.append(done)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(done), DELIVERY_WAIT_SECONDS)
 
     # -- off the path ---------------------------------------------------------------------
 
@@ -182,20 +206,31 @@ class LoadPush:
                 continue
             counts = {w: self.own.get(w, 0) for w in self._dirty}
             self._dirty.clear()
-            if not (self.active and self.channel and self.store.up):
-                continue
-            self.seq += 1
-            packed = self._prefix + msgpack.packb([self.seq, counts])
+            self._publishing = publishing = self._waiters
+            self._waiters = []
             try:
-                await self.client.publish(self.channel, packed)
-            except (RedisError, OSError, TimeoutError) as exc:
-                # Not marked down here: a publish sent during an outage can time out after
-                # Redis is back, and the sync tick and the store's ping judge outages.
-                self.errors += 1
-                log.debug("pushing in-flight counts failed: %s", exc)
-                continue
-            self.sent += 1
-            self.bytes_out += len(packed)
+                await self._publish(counts)
+            finally:
+                self._publishing = None
+                for done in publishing:
+                    if not done.done():
+                        done.set_result(None)
+
+    async def _publish(self, counts: dict[int, int]) -> None:
+        if not (self.active and self.channel and self.store.up):
+            return
+        self.seq += 1
+        packed = self._prefix + msgpack.packb([self.seq, counts])
+        try:
+            await self.client.publish(self.channel, packed)
+        except (RedisError, OSError, TimeoutError) as exc:
+            # Not marked down here: a publish sent during an outage can time out after
+            # Redis is back, and the sync tick and the store's ping judge outages.
+            self.errors += 1
+            log.debug("pushing in-flight counts failed: %s", exc)
+            return
+        self.sent += 1
+        self.bytes_out += len(packed)
 
     async def _listen_loop(self) -> None:
         while True:

@@ -19,7 +19,7 @@ import random
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -42,6 +42,7 @@ from routing.fleet_sync import FleetSync
 from routing.kv_index import DEFAULT_MAX_BLOCKS_PER_WORKER, KvIndex
 from routing.kv_subscriber import KvSubscriber
 from routing.listings import METRICS_PATH, SEED_ROUTES
+from routing.load_push import LoadPush
 from routing.load_signal import DEFAULT_REPORT_MAX_AGE, LoadBoard
 from routing.metrics import RequestTrace, RouterCollector, RouterMetrics, render
 from routing.policies import make_policy
@@ -130,6 +131,9 @@ RETRY_STATUSES = frozenset({429, 502, 503})
 
 GC_GEN0_THRESHOLD = 20_000
 _CAUSE_MAX_CHARS = 500
+# How an OpenAI stream's last event ends (vLLM's too): the relay tells the other routers
+# that the worker's slot is free before it passes this on.
+_SSE_DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -730,8 +734,11 @@ class RouterApp:
             headers.append((explain.HEADER, explain.encode(ex.explain)))
         await ex.send({"type": "http.response.start", "status": status, "headers": headers})
         trace.status = status
+        push = self.push
         try:
-            if rewriter is None:
+            if push is not None and push.active:
+                await self._relay_body_telling(ex, upstream.content, rewriter, push)
+            elif rewriter is None:
                 await _relay_body(ex, upstream.content)
             else:
                 await _relay_body_renamed(ex, upstream.content, rewriter)
@@ -744,16 +751,40 @@ class RouterApp:
         if status < 500:
             self.ejector.success(worker.id)
         ex.answered = True
-        if (push := self.push) is not None and push.active:
-            # The worker is done: its slot goes back, and the other routers hear of it
-            # before the client does (one loop step lets an idle pusher write; a busy one
-            # sends it within 5 ms): the client's next request, through another router,
-            # should find the slot free.
-            ex.released = True
-            self._release(worker.id)
-            await asyncio.sleep(0)
+        if push is not None and push.active and not ex.released:
+            await self._release_telling(ex, push)
         await ex.send({"type": "http.response.body", "body": b"", "more_body": False})
         ex.ok = status < 500
+
+    async def _relay_body_telling(
+        self,
+        ex: Exchange,
+        content: aiohttp.StreamReader,
+        rewriter: ModelNameRewriter | None,
+        push: LoadPush,
+    ) -> None:
+        """The relay while other routers are live: a stream's last event (``data: [DONE]``)
+        leaves only once the worker's slot is given back and the other routers are told
+        (routing.load_push), so the client's next request, through any router, finds the
+        slot free."""
+        if rewriter is not None:
+            await _relay_body_renamed(
+                ex, content, rewriter, lambda: self._release_telling(ex, push)
+            )
+            return
+        first = True
+        while chunk := await content.readany():
+            if first:
+                ex.first_byte()
+                first = False
+            if chunk.endswith(_SSE_DONE) and not ex.released:
+                await self._release_telling(ex, push)
+            await ex.send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def _release_telling(self, ex: Exchange, push: LoadPush) -> None:
+        ex.released = True
+        self._release(ex.worker.id)
+        await push.delivered()
 
     def _failed_before_response(self, worker: WorkerView, kind: str, exc: BaseException) -> None:
         self.metrics.upstream_error(worker.id, kind)
@@ -818,7 +849,10 @@ async def _relay_body(ex: Exchange, content: aiohttp.StreamReader) -> None:
 
 
 async def _relay_body_renamed(
-    ex: Exchange, content: aiohttp.StreamReader, rewriter: ModelNameRewriter
+    ex: Exchange,
+    content: aiohttp.StreamReader,
+    rewriter: ModelNameRewriter,
+    before_done: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     send = ex.send
     first = True
@@ -827,6 +861,8 @@ async def _relay_body_renamed(
             ex.first_byte()
             first = False
         if out := rewriter.feed(chunk):
+            if before_done is not None and out.endswith(_SSE_DONE) and not ex.released:
+                await before_done()
             await send({"type": "http.response.body", "body": out, "more_body": True})
     if rest := rewriter.flush():
         await send({"type": "http.response.body", "body": rest, "more_body": True})

@@ -7,6 +7,7 @@ and the official openai client (CI's second tier runs it; it fails there rather 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import defaultdict
@@ -16,8 +17,9 @@ from urllib.parse import urlsplit
 import msgpack
 import openai
 import pytest
+import redis.asyncio as aioredis
 
-from routing.load_push import LoadPush
+from routing.load_push import DELIVERY_WAIT_SECONDS, LoadPush
 from routing.load_signal import LoadBoard
 from routing.shared_store import SharedStore
 from simulator.server import RunningSimulator
@@ -201,3 +203,82 @@ def test_pushes_stop_while_redis_is_away_and_resume_when_it_is_back(
         )
     finally:
         relay.down()
+
+
+def test_delivered_returns_at_once_when_nothing_is_pending() -> None:
+    push, _ = board_with({})
+
+    async def scenario() -> float:
+        start = time.perf_counter()
+        push.changed(1)  # not active (no other router): nothing to tell
+        await push.delivered()
+        return time.perf_counter() - start
+
+    assert asyncio.run(scenario()) < DELIVERY_WAIT_SECONDS / 2
+
+
+def active_push(url: str) -> tuple[LoadPush, aioredis.Redis]:
+    own: defaultdict[int, int] = defaultdict(int)
+    client = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    push = LoadPush("me", own, LoadBoard(own), SharedStore(url), client)
+    push.active = True
+    push.set_channel("controlpanel:test-delivered:loads")
+    own[1] = 1
+    return push, client
+
+
+@needs_redis
+def test_delivered_returns_once_redis_has_taken_the_message() -> None:
+    """What routing.proxy waits for before a stream's last event: the subscribers have the
+    message by the time it returns."""
+
+    async def scenario() -> tuple[int, dict[str, object] | None]:
+        push, client = active_push(REDIS_URL)
+        listener = aioredis.Redis.from_url(REDIS_URL).pubsub()
+        await listener.subscribe(push.channel)
+        await listener.get_message(timeout=1)  # the subscription's confirmation
+        await push.start()
+        try:
+            await asyncio.sleep(0.05)  # past the sender's minimum gap
+            push.changed(1)
+            await push.delivered()
+            sent = push.sent
+            got = await listener.get_message(timeout=1)
+        finally:
+            await push.stop()
+            await listener.aclose()
+            await client.aclose()
+        return sent, got
+
+    sent, got = asyncio.run(scenario())
+    assert sent == 1
+    assert got is not None and msgpack.unpackb(
+        got["data"].split(b" ", 1)[1], strict_map_key=False
+    ) == [
+        1,
+        {1: 1},
+    ]
+
+
+def test_delivered_gives_up_when_redis_does_not_answer() -> None:
+    """A Redis that accepts and never answers delays a stream's end by the cap, no more."""
+
+    async def scenario() -> tuple[float, int]:
+        silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = silent.sockets[0].getsockname()[1]
+        push, client = active_push(f"redis://127.0.0.1:{port}/0")
+        await push.start()
+        try:
+            push.changed(1)
+            start = time.perf_counter()
+            await push.delivered()
+            waited = time.perf_counter() - start
+        finally:
+            await push.stop()
+            await client.aclose()
+            silent.close()
+        return waited, push.sent
+
+    waited, sent = asyncio.run(scenario())
+    assert sent == 0
+    assert DELIVERY_WAIT_SECONDS * 0.9 <= waited < DELIVERY_WAIT_SECONDS + 0.5

@@ -47,11 +47,11 @@ noise hits every set-up alike; every figure is the median over rounds and every 
 median of per-round ratios (``bench/replicas_report.py``).
 
 Usage: ``.venv/bin/python bench/replicas.py [--quick] [--rounds N] [--only SETUP]
-[--workload W] [--kv [--tokenizer]] [--policy P] [--baseline FILE]``. Prints a markdown report
-on stdout (progress on stderr)
-and writes ``bench/out/replicas-<timestamp>.json``; ``--baseline`` compares one router's CPU
-per request with an earlier run's JSON. Exit 0 when every request succeeded (targets may FAIL
-in the report), 1 otherwise. Every subprocess, the temporary directory, the database and the
+[--workload W] [--kv [--tokenizer]] [--policy P] [--prefix-config JSON] [--baseline FILE]``.
+Prints a markdown report on stdout (progress on stderr) and writes
+``bench/out/replicas-<timestamp>.json``; ``--baseline`` compares one router's CPU per
+request with an earlier run's JSON. Exit 0 when every request succeeded (targets may FAIL in
+the report), 1 otherwise. Every subprocess, the temporary directory, the database and the
 Redis db are cleaned up on exit, error, SIGTERM or Ctrl-C.
 """
 
@@ -173,14 +173,15 @@ class Policies:
     """Which policy the database holds, and whether the running routers' instance of it has
     served traffic (then a stateful one is switched away and back: a fresh instance)."""
 
-    def __init__(self) -> None:
+    def __init__(self, configs: dict[str, dict[str, Any]]) -> None:
+        self.configs = configs  # policy -> its policy_config
         self.current: tuple[str, str] | None = None  # (policy, config as JSON)
         self.used = False
 
     async def use(
         self, http: aiohttp.ClientSession, proc: harness.Fleet, setup: Setup, policy: str
     ) -> None:
-        config = POLICY_CONFIGS.get(policy, {})
+        config = self.configs.get(policy, {})
         want = (policy, json.dumps(config, sort_keys=True))
         if want == self.current and self.used and policy in STATEFUL:
             await self._set(http, proc, setup, AWAY, {})
@@ -231,7 +232,7 @@ async def run_setup(
                 f"(engine {run.engine_ttft_ms:5.1f}, queue {run.queue_wait_ms:5.1f}) "
                 f"| {run.rps:7.1f} req/s | workers {run.per_worker} | router CPU "
                 f"{run.router_cpu_ms_per_req:.3f} ms/req | accuracy {run.accuracy:.3f} "
-                f"({run.checked:.0f}) | errors {run.errors} "
+                f"({run.checked:.0f}) | decisions {run.decisions} | errors {run.errors} "
                 f"| {run.wall_s:.1f} s"
             )
             out.append(asdict(run))
@@ -290,7 +291,7 @@ async def benchmark(
             "http": http,
             "proc": proc,
             "workers": workers,
-            "policies": Policies(),
+            "policies": Policies({**POLICY_CONFIGS, "prefix_aware": args.prefix_config}),
             "chats": chats,
             "scale": "quick" if args.quick else "full",
             "redis": redis,
@@ -346,6 +347,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         metavar="P",
         help="run only the plan's entries with this policy (repeatable)",
+    )
+    parser.add_argument(
+        "--prefix-config",
+        type=json.loads,
+        default=POLICY_CONFIGS["prefix_aware"],
+        help="prefix_aware's policy_config as JSON "
+        f"(default {json.dumps(POLICY_CONFIGS['prefix_aware'])})",
     )
     parser.add_argument(
         "--baseline",
@@ -414,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             "database": f"{db.name} on {args.pg_url.rpartition('/')[0]}",
             "redis_db": args.redis_db,
             "policy_settle_s": POLICY_SETTLE_S,
-            "prefix_aware_config": POLICY_CONFIGS["prefix_aware"],
+            "prefix_aware_config": args.prefix_config,
             "seed": SEED,
             "python": PYTHON,
         },

@@ -202,6 +202,7 @@ class Run:
     # for a batch slot, and wait + prefill. The client's TTFT minus the engine's is the hop.
     queue_wait_ms: float = math.nan
     engine_ttft_ms: float = math.nan
+    decisions: dict[str, float] = field(default_factory=dict)  # the policy's, by kind
 
 
 @dataclass(frozen=True)
@@ -258,11 +259,13 @@ async def run_one(
     shared_before = await shared_bytes(http, setup)
     fleet_before = await rf.read_fleet(http, workers)
     checks_before = await cache_checks(http, setup, policy)
+    decided_before = await policy_decisions(http, setup, policy)
     cpu_before = CpuMark.take(proc)
     sent = await send(workload, setup, workers, chats, scale, f"{setup.name}-{workload}-{rnd}")
     cpu_after = CpuMark.take(proc)
     fleet_after = await rf.read_fleet(http, workers)
     checks_after = await cache_checks(http, setup, policy)
+    decided_after = await policy_decisions(http, setup, policy)
     checked = checks_after.get("checked", 0.0) - checks_before.get("checked", 0.0)
     within = checks_after.get("within_block", 0.0) - checks_before.get("within_block", 0.0)
     shared_after = await shared_bytes(http, setup)
@@ -314,9 +317,29 @@ async def run_one(
         shared_bytes_per_s=published / sent.wall_s if published is not None else None,
         accuracy=within / checked if checked else math.nan,
         queue_wait_ms=queue_ms,
+        decisions=decision_delta(decided_after, decided_before),
         engine_ttft_ms=engine_ms,
         checked=checked,
     )
+
+
+async def policy_decisions(
+    http: aiohttp.ClientSession, setup: Setup, policy: str
+) -> dict[str, float]:
+    """`policy`'s decisions by kind, summed over the set-up's routers (one port: only the
+    process that answered the scrape)."""
+    total: dict[str, float] = {}
+    for url in setup.router_urls:
+        async with http.get(url + "/metrics") as resp:
+            tally = rf.policy_decisions(await resp.text())
+        for (name, decision), value in tally.items():
+            if name == policy:
+                total[decision] = total.get(decision, 0.0) + value
+    return total
+
+
+def decision_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
 
 
 async def cache_checks(http: aiohttp.ClientSession, setup: Setup, policy: str) -> dict[str, float]:

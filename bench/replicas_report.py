@@ -34,7 +34,8 @@ NUMERIC = (
     "requests", "ok", "errors", "wall_s", "rps", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms",
     "latency_p50_ms", "latency_p99_ms", "hit_rate", "spread", "router_cpu_s",
     "router_cpu_ms_per_req", "haproxy_cpu_ms_per_req", "machine_busy_pct", "other_busy_pct",
-    "shared_bytes", "shared_bytes_per_s", "accuracy", "checked",
+    "shared_bytes", "shared_bytes_per_s", "accuracy", "checked", "engine_ttft_ms",
+    "queue_wait_ms",
 )  # fmt: skip
 
 SCALARS = ("used_memory", "db_keys", "db_bytes")  # of redis_before / redis_after
@@ -219,10 +220,11 @@ def row_label(row: dict[str, Any]) -> str:
 
 def figures_table(summary: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| workload | policy | set-up | hit rate | TTFT mean ms | p50 | p99 | x oracle (mean) "
+        "| workload | policy | set-up | hit rate | TTFT mean ms | engine TTFT / queue wait ms "
+        "| p50 | p99 | x oracle (mean) "
         "| per-worker requests | spread | req/s | router CPU ms/req | haproxy CPU ms/req "
         "| errors | prediction accuracy |",
-        "|---|---|---|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|",
     ]
     for row in summary:
         w = row["workload"]
@@ -233,6 +235,7 @@ def figures_table(summary: list[dict[str, Any]], runs: list[dict[str, Any]]) -> 
         hit = fmt(row["hit_rate"], 3) if w in ("prefix", "skewed") else "-"
         lines.append(
             f"| {w} | {row['policy']} | {row_label(row)} | {hit} | {fmt(row['ttft_mean_ms'])} "
+            f"| {fmt(row.get('engine_ttft_ms'))} / {fmt(row.get('queue_wait_ms'))} "
             f"| {fmt(row['ttft_p50_ms'])} | {fmt(row['ttft_p99_ms'])} | {fmt(ratio, 2)} "
             f"| {' / '.join(f'{v:.0f}' for v in row['per_worker'])} | {fmt(row['spread'], 2)} "
             f"| {fmt(row['rps'])} | {fmt(row['router_cpu_ms_per_req'], 3)} "

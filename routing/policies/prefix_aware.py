@@ -178,6 +178,7 @@ from operator import attrgetter, eq, is_not
 from typing import Any
 from zlib import adler32, crc32
 
+from routing.policies.agreed_miss import agreed_position
 from routing.policies.base import BasePolicy, Explanation, Prediction, RequestInfo
 from routing.policies.load_index import LoadIndex
 from routing.request_text import request_text
@@ -194,6 +195,7 @@ _DEFAULTS: dict[str, float] = {
     "chunk_doubling": 8,
     "max_entries": 100_000,
     "max_age_s": 600.0,
+    "miss_spread": 0,
 }
 _MARKS_PER_AGE = 32  # a new time mark once the newest is max_age_s / 32 old
 _SWEEP_BASE = 32  # entries a decision may sweep beyond its own chunk count
@@ -254,6 +256,7 @@ class PrefixAwarePolicy(BasePolicy):
         self.chunk_doubling = int(_setting(cfg, "chunk_doubling", integer=True, low=0))
         self.max_entries = int(_setting(cfg, "max_entries", integer=True, low=1))
         self.max_age_s = float(_setting(cfg, "max_age_s", low=0.0, low_open=True))
+        self.miss_spread = float(_setting(cfg, "miss_spread", low=0.0))
         self._mark_every = self.max_age_s / _MARKS_PER_AGE
         self._clock = clock or time.monotonic
         self._rng = rng or random.Random()
@@ -316,6 +319,11 @@ class PrefixAwarePolicy(BasePolicy):
                 low = min(scanned) if scanned is not None else self._index.min_load(loads)
                 if self._overloaded(loads.get(ids[at], 0), low):
                     reason, held, at = "load", None, self._lightest(scanned, loads)
+            elif scanned is not None and self.miss_spread:
+                key = hashes[
+                    min(bisect_left(self._ends, self.cache_threshold * length), len(hashes) - 1)
+                ]
+                reason, at = "miss", agreed_position(scanned, ids, key, self.miss_spread)
             elif scanned is not None:
                 reason, at = "miss", self._least(scanned, ids=ids)
             else:

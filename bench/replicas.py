@@ -47,7 +47,8 @@ noise hits every set-up alike; every figure is the median over rounds and every 
 median of per-round ratios (``bench/replicas_report.py``).
 
 Usage: ``.venv/bin/python bench/replicas.py [--quick] [--rounds N] [--only SETUP]
-[--workload W] [--kv [--tokenizer]] [--policy P] [--prefix-config JSON] [--baseline FILE]``.
+[--workload W] [--kv [--tokenizer]] [--policy P] [--prefix-config JSON] [--kv-config JSON]
+[--baseline FILE]``.
 Prints a markdown report on stdout (progress on stderr) and writes
 ``bench/out/replicas-<timestamp>.json``; ``--baseline`` compares one router's CPU per
 request with an earlier run's JSON. Exit 0 when every request succeeded (targets may FAIL in
@@ -291,7 +292,9 @@ async def benchmark(
             "http": http,
             "proc": proc,
             "workers": workers,
-            "policies": Policies({**POLICY_CONFIGS, "prefix_aware": args.prefix_config}),
+            "policies": Policies(
+                {**POLICY_CONFIGS, "prefix_aware": args.prefix_config, "kv_aware": args.kv_config}
+            ),
             "chats": chats,
             "scale": "quick" if args.quick else "full",
             "redis": redis,
@@ -354,6 +357,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=POLICY_CONFIGS["prefix_aware"],
         help="prefix_aware's policy_config as JSON "
         f"(default {json.dumps(POLICY_CONFIGS['prefix_aware'])})",
+    )
+    parser.add_argument(
+        "--kv-config",
+        type=json.loads,
+        default=POLICY_CONFIGS["kv_aware"],
+        help=f"kv_aware's policy_config as JSON (default {json.dumps(POLICY_CONFIGS['kv_aware'])})",
     )
     parser.add_argument(
         "--baseline",
@@ -423,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             "redis_db": args.redis_db,
             "policy_settle_s": POLICY_SETTLE_S,
             "prefix_aware_config": args.prefix_config,
+            "kv_aware_config": args.kv_config,
             "seed": SEED,
             "python": PYTHON,
         },

@@ -156,10 +156,10 @@ async def start_fleet(
         await harness.wait_until(
             f"{floor} (floor)", partial(harness.post_ok, session, url, probe), proc
         )
-        endpoints = [kv_endpoints(p) for p in pairs]
+        endpoints = [kv_endpoints(p) for p in pairs]  # none without --kv
         extra = {
             u: {"kv_events": e, "kv_events_replay": r}
-            for u, (e, r) in zip(workers, endpoints, strict=True)
+            for u, (e, r) in zip(workers, endpoints, strict=False)
         }
         await harness.register_workers(session, proc, router, workers, extra=extra)
         if kv:

@@ -317,11 +317,12 @@ def test_the_control_planes_hint_lists_every_knob_with_its_default() -> None:
     knobs = policy_knobs("kv_aware")
     assert sorted(knobs["keys"]) == sorted(
         ["overlap_weight", "load_weight", "balance_abs_threshold", "balance_rel_threshold",
-         "block_size", "pending_seconds"]
+         "block_size", "pending_seconds", "miss_spread"]
     )  # fmt: skip
     assert json.loads(knobs["example"]) == {
         "overlap_weight": 1.0, "load_weight": 8, "balance_abs_threshold": 32,
         "balance_rel_threshold": 1.1, "block_size": 16, "pending_seconds": 10.0,
+        "miss_spread": 0,
     }  # fmt: skip
 
 

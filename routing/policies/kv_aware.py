@@ -77,6 +77,14 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     The block the cost counts in, and a worker's block size until its events state its
     own (vLLM's ``--block-size``; 16 on GPUs). Set it to the workers' block size so the
     weights above mean what they say.
+``miss_spread`` (number >= 0, default 0)
+    prefix_aware's (routing.policies.agreed_miss): a miss goes to the worker the prompt's
+    middle block ranks first among those within this many requests of the least loaded, so
+    routers put a new prefix on one worker although each credits only its own decisions
+    until the worker's events show the blocks (a whole prefill later). Also given to the
+    approximate index's fallback. Off by default, for prefix_aware's reason (its cost on
+    misses); at 2, two replicas on ``prefix`` went from 1.40x to 1.30x the oracle's mean
+    TTFT, one router unchanged (bench/RESULTS.md).
 ``pending_seconds`` (number >= 0, default 10.0)
     The longest the chosen worker is credited with a request's blocks past those its
     events show (up to the prompt's 256th) while its answer has not started: about the
@@ -103,6 +111,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from routing.kv_index import KvIndex, LoraKey, chain_seed
+from routing.policies.agreed_miss import agreed_position
 from routing.policies.base import BasePolicy, Explanation, Prediction, RequestInfo
 from routing.policies.kv_pending import LazyChain, PendingBlocks
 from routing.policies.load import check_keys, integer, number
@@ -111,7 +120,7 @@ from routing.request_text import request_text
 from routing.snapshot import WorkerView
 
 _KNOBS = ("overlap_weight", "load_weight", "balance_abs_threshold", "balance_rel_threshold",
-          "block_size", "pending_seconds")  # fmt: skip
+          "block_size", "pending_seconds", "miss_spread")  # fmt: skip
 
 
 class ApproximateIndex(PrefixAwarePolicy):
@@ -176,9 +185,12 @@ class KvAwarePolicy(BasePolicy):
         self.balance_rel_threshold = number(name, cfg, "balance_rel_threshold", 1.1, minimum=1.0)
         self.block_size = integer(name, cfg, "block_size", 16, minimum=1)
         pending_seconds = number(name, cfg, "pending_seconds", 10.0, minimum=0.0)
+        self.miss_spread = number(name, cfg, "miss_spread", 0.0, minimum=0.0)
         self._rng = rng or random.Random()
         guard: dict[str, Any] = {
-            k: cfg[k] for k in ("balance_abs_threshold", "balance_rel_threshold") if k in cfg
+            k: cfg[k]
+            for k in ("balance_abs_threshold", "balance_rel_threshold", "miss_spread")
+            if k in cfg
         }
         clock = clock or time.monotonic
         self.approximate = ApproximateIndex(guard, clock=clock, rng=self._rng)
@@ -217,7 +229,7 @@ class KvAwarePolicy(BasePolicy):
         rows, hashes, chains = self._score(workers, request, loads)
         if hashes is not None:  # someone was scored approximately
             self.fallbacks["unknown_index"] += 1
-        decision, best = self._decide(rows)
+        decision, best = self._decide(rows, request)
         if not best.exact and hashes is not None:
             self.approximate.credit_chain(best.worker.id, hashes)
         elif best.worker.id in chains:
@@ -311,8 +323,9 @@ class KvAwarePolicy(BasePolicy):
             chains[worker_id] = LazyChain(tokens, size, held, key, upto)
         return chains
 
-    def _decide(self, rows: list[_Scored]) -> tuple[str, _Scored]:
-        """The cheapest row (ties: least loaded, then random), after the load guard."""
+    def _decide(self, rows: list[_Scored], request: RequestInfo) -> tuple[str, _Scored]:
+        """The cheapest row (ties: least loaded, then random), after the load guard; a miss
+        by routing.policies.agreed_miss when ``miss_spread`` is set."""
         low_cost = min(row.cost for row in rows)
         cheapest = [row for row in rows if row.cost == low_cost]
         best = self._least_loaded(cheapest)
@@ -321,10 +334,21 @@ class KvAwarePolicy(BasePolicy):
         if guard and best.load > self.balance_rel_threshold * low_load:
             return "load", self._least_loaded([row for row in rows if row.load == low_load])
         if not any(row.cached >= row.size for row in rows):
+            if self.miss_spread:
+                key = self._miss_key(request.tokens or ())
+                loads, ids = [row.load for row in rows], [row.worker.id for row in rows]
+                best = rows[agreed_position(loads, ids, key, self.miss_spread)]
             return "miss", best
         if not best.exact:
             return "fallback", best
         return ("pending" if best.pending else "kv"), best
+
+    def _miss_key(self, tokens: Sequence[int]) -> int:
+        """The block at the middle of the prompt: users of one long system prompt share it,
+        prompts that share only a short preamble do not (agreed_miss's key)."""
+        size = self.block_size
+        start = len(tokens) // 2 // size * size
+        return hash(tuple(tokens[start : start + size]))
 
     def _least_loaded(self, rows: list[_Scored]) -> _Scored:
         low = min(row.load for row in rows)
@@ -356,7 +380,7 @@ class KvAwarePolicy(BasePolicy):
             rows = [{**row, "fallback": reason} for row in told.candidates]
             return Explanation("fallback", told.worker, rows)
         scored, _, _ = self._score(workers, request, loads)
-        decision, best = self._decide(scored)
+        decision, best = self._decide(scored, request)
         scored.sort(key=lambda r: (r.cost, r.load))
         n = len(request.tokens or ())
         shown = [

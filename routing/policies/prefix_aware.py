@@ -150,6 +150,16 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     stale part never grows faster than it is swept, and the trees of idle workers and of
     workers that left the list drain and are dropped. Set it near how long the workers'
     caches keep an idle prefix.
+``miss_spread`` (number >= 0, default 0)
+    With several routers: a miss goes to the worker the prompt ranks first by rendezvous
+    hashing among those within this many requests of the least loaded (rule 2 then no
+    longer looks at trees; routing.policies.agreed_miss), so routers that see the same new
+    prefix at the same moment, before either hears of the other's credit, put it on one
+    worker instead of prefilling it twice. 0 keeps rule 2 as written. It is a trade, so it
+    is off by default (bench/RESULTS.md, 2026-12-02 evening): at 2, two replicas on
+    ``prefix`` went from 1.26-1.31x the client oracle's mean TTFT to 1.16-1.19x, but one
+    router on ``uniform`` (every request a miss) queued more (p99 1.17x shortest_queue's
+    instead of 0.99x); at 8 the hash outweighs the load and the load guard spills.
 
 Sharing between routers
 -----------------------

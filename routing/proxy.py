@@ -774,12 +774,12 @@ class RouterApp:
             return
         first = True
         while chunk := await content.readany():
-            if first:
-                ex.first_byte()
-                first = False
             if chunk.endswith(_SSE_DONE) and not ex.released:
                 await self._release_telling(ex, push)
             await ex.send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if first:
+                ex.first_byte()
+                first = False
 
     async def _release_telling(self, ex: Exchange, push: LoadPush) -> None:
         ex.released = True
@@ -865,6 +865,8 @@ async def _relay_body_renamed(
                 await before_done()
             await send({"type": "http.response.body", "body": out, "more_body": True})
     if rest := rewriter.flush():
+        if before_done is not None and rest.endswith(_SSE_DONE) and not ex.released:
+            await before_done()
         await send({"type": "http.response.body", "body": rest, "more_body": True})
 
 

@@ -19,6 +19,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
+from controlpanel.rollouts import aliases
 from routing.load_push import DELIVERY_WAIT_SECONDS, LoadPush
 from routing.load_signal import LoadBoard
 from routing.shared_store import SharedStore
@@ -144,6 +145,38 @@ def test_a_slot_freed_through_one_router_is_taken_at_once_through_the_other(
         assert took == [1 - held], f"trial {trial}: the freed slot was not taken"
         wait_until(lambda: not any(sim.state.running for sim in sims))  # the hang-up freed it
     assert (metric(second, PUSHES, direction="in") or 0) > 0
+
+
+@needs_redis
+@pytest.mark.django_db(transaction=True)
+def test_an_alias_stream_through_peers_arrives_whole_and_gives_its_slot_back(
+    routers: Callable[..., list[RouterServer]], simulator: StartSimulator
+) -> None:
+    """With peers live the relay holds `data: [DONE]` until the release is told; through an
+    alias (its model renamed in every chunk) the stream still arrives whole, renamed, and
+    both routers count the slot free afterwards."""
+    first, second = routers(2)
+    sims = [simulator("m-real")]
+    join(sims, first, second)
+    aliases.alias_create(name="chat", targets={"m-real": 100}, actor="test")
+    wait_until(lambda: sees(second, first) and sees(first, second))
+    wait_until(lambda: "chat" in first.get("/list_models").text)
+    client = openai.OpenAI(base_url=f"{first.url}/v1", api_key="x", max_retries=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": "go"}], max_tokens=20,
+            stream=True,
+        )
+    )  # fmt: skip
+    assert chunks and {chunk.model for chunk in chunks} == {"chat"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    worker = held_id(first, sims[0])
+    wait_until(
+        lambda: (
+            first.workers()[worker]["inflight_here"] == 0
+            and second.workers()[worker]["inflight_elsewhere"] == 0
+        )
+    )
 
 
 def held_id(router: RouterServer, sim: RunningSimulator) -> int:

@@ -94,7 +94,7 @@ from bench.replicas_setups import (
     start_setup,
     stop_setup,
 )
-from bench.routing_modes import POLICY_CONFIGS
+from bench.routing_modes import POLICY_CONFIGS, add_config_arguments
 from bench.routing_policies import session_words
 from bench.routing_workloads import FULL, QUICK, SEED, build_workloads, working_set
 from bench.shared_services import (
@@ -351,19 +351,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="P",
         help="run only the plan's entries with this policy (repeatable)",
     )
-    parser.add_argument(
-        "--prefix-config",
-        type=json.loads,
-        default=POLICY_CONFIGS["prefix_aware"],
-        help="prefix_aware's policy_config as JSON "
-        f"(default {json.dumps(POLICY_CONFIGS['prefix_aware'])})",
-    )
-    parser.add_argument(
-        "--kv-config",
-        type=json.loads,
-        default=POLICY_CONFIGS["kv_aware"],
-        help=f"kv_aware's policy_config as JSON (default {json.dumps(POLICY_CONFIGS['kv_aware'])})",
-    )
+    add_config_arguments(parser)
     parser.add_argument(
         "--baseline",
         type=Path,

@@ -10,7 +10,9 @@ instance.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -37,6 +39,20 @@ POLICY_CONFIGS: dict[str, dict[str, Any]] = {
         "block_size": BLOCK_SIZE,
     },
 }
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--prefix-config`` and ``--kv-config``: the two cache policies' policy_config as
+    JSON, POLICY_CONFIGS' by default."""
+    for flag, policy in (("--prefix-config", "prefix_aware"), ("--kv-config", "kv_aware")):
+        parser.add_argument(
+            flag,
+            type=json.loads,
+            default=POLICY_CONFIGS[policy],
+            help=f"{policy}'s policy_config as JSON (default {json.dumps(POLICY_CONFIGS[policy])})",
+        )
+
+
 ALL_POLICIES = (
     "round_robin",
     "random",

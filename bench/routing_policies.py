@@ -112,6 +112,7 @@ from bench.routing_modes import (
     KNOWN_POLICIES,
     POLICY_CONFIGS,
     PolicySwitch,
+    add_config_arguments,
 )
 from bench.routing_report import report
 from bench.routing_workloads import (
@@ -342,19 +343,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=PREFILL_MS_PER_BLOCK,
         help=f"simulated prefill cost per uncached block (default {PREFILL_MS_PER_BLOCK:g})",
     )
-    parser.add_argument(
-        "--prefix-config",
-        type=json.loads,
-        default=POLICY_CONFIGS["prefix_aware"],
-        help="prefix_aware's policy_config as JSON "
-        f"(default {json.dumps(POLICY_CONFIGS['prefix_aware'])})",
-    )
-    parser.add_argument(
-        "--kv-config",
-        type=json.loads,
-        default=POLICY_CONFIGS["kv_aware"],
-        help=f"kv_aware's policy_config as JSON (default {json.dumps(POLICY_CONFIGS['kv_aware'])})",
-    )
+    add_config_arguments(parser)
     parser.add_argument(
         "--tokenizer",
         action="store_true",

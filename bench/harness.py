@@ -378,6 +378,13 @@ async def register_worker(
         await asyncio.sleep(0.5)
 
 
+async def listed_workers(session: aiohttp.ClientSession, router: str) -> list[dict[str, Any]]:
+    """The router's ``GET /list_workers``: every worker it knows, with its state and loads."""
+    async with session.get(f"{router}/list_workers") as resp:
+        listed: list[dict[str, Any]] = orjson.loads(await resp.read())["workers"]
+    return listed
+
+
 async def register_workers(
     session: aiohttp.ClientSession,
     fleet: Fleet,
@@ -392,8 +399,7 @@ async def register_workers(
         await register_worker(session, fleet, router, url, name, (extra or {}).get(url))
 
     async def all_routable() -> bool:
-        async with session.get(f"{router}/list_workers") as resp:
-            workers = orjson.loads(await resp.read())["workers"]
+        workers = await listed_workers(session, router)
         return sum(1 for w in workers if w["routable"]) == len(urls)
 
     await wait_until("all workers routable", all_routable, fleet, timeout=30)

@@ -20,13 +20,13 @@ from functools import partial
 from pathlib import Path
 
 import aiohttp
-import orjson
 
 from bench.harness import (
     HOST,
     Fleet,
     free_ports,
     http_ok,
+    listed_workers,
     log,
     register_workers,
     socket_inodes,
@@ -149,11 +149,8 @@ async def start_fleet(fleet: Fleet, args: argparse.Namespace) -> Run:
 
 
 async def router_inflight(run: Run) -> int:
-    async with (
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session,
-        session.get(run.router + "/list_workers") as resp,
-    ):
-        workers = orjson.loads(await resp.read())["workers"]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        workers = await listed_workers(session, run.router)
     return sum(int(w["inflight"]) for w in workers)
 
 

@@ -266,8 +266,7 @@ async def ensure_registered(
             await use_tokenizer(http, proc, setup.admin, TOKENIZER["folder"])
 
     async def routable(url: str) -> bool:
-        async with http.get(f"{url}/list_workers") as resp:
-            listed = orjson.loads(await resp.read())["workers"]
+        listed = await harness.listed_workers(http, url)
         ok = [w for w in listed if w["routable"] and w["url"].rstrip("/") in workers]
         return len(ok) == len(workers)
 

@@ -108,8 +108,7 @@ async def poll_request_logs(
 
 
 async def routable(http: aiohttp.ClientSession, fleet: Fleet, worker_id: int) -> bool:
-    async with http.get(fleet.router + "/list_workers") as resp:
-        workers = orjson.loads(await resp.read())["workers"]
+    workers = await harness.listed_workers(http, fleet.router)
     return any(w["id"] == worker_id and w["routable"] for w in workers)
 
 

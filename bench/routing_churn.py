@@ -218,8 +218,7 @@ async def restart_worker(http: aiohttp.ClientSession, fleet: Fleet, victim: int)
         await resp.read()
 
     async def idle() -> bool:
-        async with http.get(fleet.router + "/list_workers") as resp:
-            listed = orjson.loads(await resp.read())["workers"]
+        listed = await harness.listed_workers(http, fleet.router)
         return any(w["id"] == worker_id and not w["inflight"] for w in listed)
 
     await harness.wait_until(f"nothing in flight on worker{victim}", idle, fleet.proc)

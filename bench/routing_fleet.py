@@ -166,8 +166,7 @@ async def start_fleet(
             await wait_kv_ready(session, proc, router, workers)
         if tokenizer:
             await use_tokenizer(session, proc, router, tokenizer)
-        async with session.get(f"{router}/list_workers") as resp:
-            listed = orjson.loads(await resp.read())["workers"]
+        listed = await harness.listed_workers(session, router)
     by_url = {w["url"].rstrip("/"): w["id"] for w in listed}
     ids = [by_url[u] for u in workers]
     return Fleet(proc, router, router_pid, workers, ids, cache_blocks, floor, floor_pid, endpoints)
@@ -207,9 +206,7 @@ async def wait_kv_ready(
     cache reset on each, whose AllBlocksCleared makes an index trusted) a trusted index."""
 
     async def streams() -> list[dict[str, Any]]:
-        async with session.get(f"{router}/list_workers") as resp:
-            listed = orjson.loads(await resp.read())["workers"]
-        return [w.get("kv_events") or {} for w in listed]
+        return [w.get("kv_events") or {} for w in await harness.listed_workers(session, router)]
 
     async def connected() -> bool:
         return sum(1 for s in await streams() if s.get("connected")) >= len(workers)
@@ -228,8 +225,7 @@ async def wait_kv_ready(
 async def kv_streams(session: aiohttp.ClientSession, router: str) -> list[dict[str, Any]]:
     """Each worker's KV events stream and index as `router` shows them (for the report):
     events, gaps, replays, disconnects, malformed batches; index trust, restarts, clears."""
-    async with session.get(f"{router}/list_workers") as resp:
-        listed = orjson.loads(await resp.read())["workers"]
+    listed = await harness.listed_workers(session, router)
     out = []
     for w in listed:
         s = w.get("kv_events") or {}
@@ -420,17 +416,35 @@ async def read_worker(session: aiohttp.ClientSession, url: str) -> WorkerReading
     )
 
 
+Sums = tuple[float, float]  # (seconds summed, requests counted)
+
+
+def engine_sums_between(
+    after: list[WorkerReading], before: list[WorkerReading]
+) -> tuple[Sums, Sums]:
+    """Over the requests between two readings of the fleet: the engines' queue wait and
+    their TTFT, each as (seconds summed, requests)."""
+    pairs = list(zip(after, before, strict=True))
+    queue = (
+        sum(a.queue_s - b.queue_s for a, b in pairs),
+        sum(a.queued - b.queued for a, b in pairs),
+    )
+    ttft = (
+        sum(a.engine_ttft_s - b.engine_ttft_s for a, b in pairs),
+        sum(a.engine_firsts - b.engine_firsts for a, b in pairs),
+    )
+    return queue, ttft
+
+
+def mean_ms(sums: Sums) -> float:
+    seconds, n = sums
+    return 1000 * seconds / n if n else math.nan
+
+
 def engine_means_ms(after: list[WorkerReading], before: list[WorkerReading]) -> tuple[float, float]:
     """(mean queue wait, mean engine TTFT) in ms over the requests between two readings."""
-    pairs = list(zip(after, before, strict=True))
-    queued = sum(a.queued - b.queued for a, b in pairs)
-    firsts = sum(a.engine_firsts - b.engine_firsts for a, b in pairs)
-    queue_s = sum(a.queue_s - b.queue_s for a, b in pairs)
-    ttft_s = sum(a.engine_ttft_s - b.engine_ttft_s for a, b in pairs)
-    return (
-        1000 * queue_s / queued if queued else math.nan,
-        1000 * ttft_s / firsts if firsts else math.nan,
-    )
+    queue, ttft = engine_sums_between(after, before)
+    return mean_ms(queue), mean_ms(ttft)
 
 
 async def read_fleet(session: aiohttp.ClientSession, fleet: Fleet) -> list[WorkerReading]:

@@ -31,8 +31,11 @@ from bench.routing_fleet import (
     N_WORKERS,
     CpuMark,
     Fleet,
+    Sums,
     check_delta,
     cpu_figures,
+    engine_sums_between,
+    mean_ms,
     read_fleet,
     reset_workers,
     revive_celery,
@@ -219,8 +222,8 @@ class Measured:
     churn: dict[str, Any] | None = None  # bench/routing_churn.py's figures, on `churn`
     # Engine-side, from the workers' histograms: (seconds summed, requests) of the wait for
     # a batch slot, and of the engine's own time to first token (wait + prefill).
-    queue: tuple[float, float] = (0.0, 0.0)
-    engine_ttft: tuple[float, float] = (0.0, 0.0)
+    queue: Sums = (0.0, 0.0)
+    engine_ttft: Sums = (0.0, 0.0)
 
 
 @dataclass
@@ -319,12 +322,10 @@ def summarize(workload: str, mode: str, runs: list[Measured]) -> RunResult:
     )
 
 
-def _pooled_ms(parts: Iterable[tuple[float, float]]) -> float:
+def _pooled_ms(parts: Iterable[Sums]) -> float:
     """Seconds summed over requests counted, pooled, in ms."""
-    total = count = 0.0
-    for seconds, n in parts:
-        total, count = total + seconds, count + n
-    return 1000 * total / count if count else math.nan
+    listed = list(parts)
+    return mean_ms((sum(s for s, _ in listed), sum(n for _, n in listed)))
 
 
 def pickers(fleet: Fleet) -> dict[str, Picker]:
@@ -381,6 +382,7 @@ async def run_one(
     after = await read_fleet(http, fleet)
     decisions_after = await router_decisions(http, fleet) if router else {}
     pairs = list(zip(after, before, strict=True))
+    queue, engine_ttft = engine_sums_between(after, before)
     decisions = {
         f"{p}:{d}": v - decisions_before.get((p, d), 0.0)
         for (p, d), v in decisions_after.items()
@@ -399,8 +401,6 @@ async def run_one(
         cpu_by_group_s=by_group,
         checks=check_delta(checks_after, checks_before),
         churn=churn,
-        queue=(sum(a.queue_s - b.queue_s for a, b in pairs),
-               sum(a.queued - b.queued for a, b in pairs)),
-        engine_ttft=(sum(a.engine_ttft_s - b.engine_ttft_s for a, b in pairs),
-                     sum(a.engine_firsts - b.engine_firsts for a, b in pairs)),
-    )  # fmt: skip
+        queue=queue,
+        engine_ttft=engine_ttft,
+    )

@@ -117,8 +117,7 @@ class LoadPush:
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiters.append(done)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(done), DELIVERY_WAIT_SECONDS)
+        await asyncio.wait((done,), timeout=DELIVERY_WAIT_SECONDS)
 
     # -- off the path ---------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from time import perf_counter
 from typing import Any
 
@@ -737,7 +738,11 @@ class RouterApp:
         push = self.push
         try:
             if push is not None and push.active:
-                await self._relay_body_telling(ex, upstream.content, rewriter, push)
+                tell = partial(self._release_telling, ex, push)
+                if rewriter is None:
+                    await _relay_body_telling(ex, upstream.content, tell)
+                else:
+                    await _relay_body_renamed(ex, upstream.content, rewriter, tell)
             elif rewriter is None:
                 await _relay_body(ex, upstream.content)
             else:
@@ -755,31 +760,6 @@ class RouterApp:
             await self._release_telling(ex, push)
         await ex.send({"type": "http.response.body", "body": b"", "more_body": False})
         ex.ok = status < 500
-
-    async def _relay_body_telling(
-        self,
-        ex: Exchange,
-        content: aiohttp.StreamReader,
-        rewriter: ModelNameRewriter | None,
-        push: LoadPush,
-    ) -> None:
-        """The relay while other routers are live: a stream's last event (``data: [DONE]``)
-        leaves only once the worker's slot is given back and the other routers are told
-        (routing.load_push), so the client's next request, through any router, finds the
-        slot free."""
-        if rewriter is not None:
-            await _relay_body_renamed(
-                ex, content, rewriter, lambda: self._release_telling(ex, push)
-            )
-            return
-        first = True
-        while chunk := await content.readany():
-            if chunk.endswith(_SSE_DONE) and not ex.released:
-                await self._release_telling(ex, push)
-            await ex.send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if first:
-                ex.first_byte()
-                first = False
 
     async def _release_telling(self, ex: Exchange, push: LoadPush) -> None:
         ex.released = True
@@ -846,6 +826,23 @@ async def _relay_body(ex: Exchange, content: aiohttp.StreamReader) -> None:
         ex.first_byte()
     while chunk := await content.readany():
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+
+async def _relay_body_telling(
+    ex: Exchange, content: aiohttp.StreamReader, before_done: Callable[[], Awaitable[None]]
+) -> None:
+    """The relay while other routers are live: a stream's last event (``data: [DONE]``)
+    leaves only after `before_done` (the worker's slot given back and the other routers
+    told, routing.load_push), so the client's next request, through any router, finds the
+    slot free."""
+    first = True
+    while chunk := await content.readany():
+        if chunk.endswith(_SSE_DONE) and not ex.released:
+            await before_done()
+        await ex.send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if first:
+            ex.first_byte()
+            first = False
 
 
 async def _relay_body_renamed(

@@ -115,7 +115,8 @@ from routing.policies.agreed_miss import agreed_position
 from routing.policies.base import BasePolicy, Explanation, Prediction, RequestInfo
 from routing.policies.kv_pending import LazyChain, PendingBlocks
 from routing.policies.load import check_keys, integer, number
-from routing.policies.prefix_aware import PrefixAwarePolicy, _held_depth
+from routing.policies.prefix_aware import PrefixAwarePolicy
+from routing.policies.prefix_trees import held_depth
 from routing.request_text import request_text
 from routing.snapshot import WorkerView
 
@@ -133,7 +134,7 @@ class ApproximateIndex(PrefixAwarePolicy):
     def held_share(self, worker_id: int, hashes: list[int]) -> float:
         """The share of the last chained prompt (bytes) that the worker's tree matches."""
         tree = self._trees.get(worker_id)
-        depth = _held_depth(tree, hashes, 0) if tree is not None and hashes else 0
+        depth = held_depth(tree, hashes, 0) if tree is not None and hashes else 0
         if not depth:
             return 0.0
         return min(self._ends[depth - 1], self._chained_bytes) / self._chained_bytes

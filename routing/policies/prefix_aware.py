@@ -55,18 +55,14 @@ own hash() is salted per process), so routers can share what they learned
 of this index, an approximate one, can live with. A short last chunk is hashed too, so a
 repeated short prompt matches whole.
 
-A worker's "tree" is an OrderedDict of chained hashes in least-recently-used order.
-Crediting a prompt appends its new chunks deepest first, then moves the chunks the worker
-already held (a prefix of the prompt, see below) to the end, also deepest first: one
-C-level operation per chunk, and a prefix always ends up more recent than anything that
-extends it. Eviction only ever takes the oldest, so a worker never keeps a chunk without
-the chunks before it: what it holds of any prompt is a prefix of that prompt's chain.
-Hence a worker's match is found by a *binary search* over the prompt's chunks (O(log
-chunks) lookups), and the fleet's longest match without looking at every worker: an index
-from first-chunk hash to the workers holding it names the workers in the running; the
-search runs on one of them, then one lookup per other such worker asks whether anyone
-holds the next chunk (if so, the search goes on among those). Ids and queue lengths are
-cached per snapshot tuple.
+Each worker's prompts are kept in a "tree" (routing.policies.prefix_trees: what it holds of
+any prompt is always a prefix of that prompt's chain, its entries age out by time marks, and
+memory is bounded by ``max_entries``). So a worker's match is found by a *binary search*
+over the prompt's chunks (O(log chunks) lookups), and the fleet's longest match without
+looking at every worker: an index from first-chunk hash to the workers holding it names the
+workers in the running; the search runs on one of them, then one lookup per other such
+worker asks whether anyone holds the next chunk (if so, the search goes on among those). Ids
+and queue lengths are cached per snapshot tuple.
 
 Loads, and what is exact from which fleet size
 ----------------------------------------------
@@ -83,22 +79,6 @@ workers; a worker that another model's requests load too is seen at once when it
 rose, and within 256 decisions when it fell (see that module). One rule is approximate
 there: a miss goes to the smallest tree among up to 8 of the workers tied at the least load
 (a random sample of them), not among all of them.
-
-Age is tracked by time marks in each tree rather than a timestamp per entry: crediting
-a prompt ends by moving the tree's newest mark to the end (stamped now), or by adding a
-new one once the newest is ``max_age_s / 32`` old. Everything before a mark was last used
-no later than the mark's time, so once the oldest mark is older than ``max_age_s``, the
-entries before it are stale. An entry is evicted between ``max_age_s`` and about
-``max_age_s * 33/32`` after its last use, give or take the sweep's pace (below); until
-then it still counts for matching (vLLM itself never drops a cached block for age, only
-for room).
-
-Memory: an entry is one (worker, chunk) pair, about 140-160 bytes measured with
-tracemalloc (the OrderedDict slot and linked-list node, the chain-hash int, its share of
-the first-chunk index), so the default ``max_entries`` of 100,000 bounds the policy near
-16 MB per served model (a hash table that has just doubled adds up to half as much again
-for a while). Marks are few: one per ``max_age_s / 32`` of use of a tree, dropped as
-they go stale.
 
 Knobs (the served model's policy_config; an unknown key or a bad value is a ValueError)
 ---------------------------------------------------------------------------------------
@@ -181,21 +161,19 @@ import math
 import random
 import time
 from bisect import bisect_left
-from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from itertools import compress, count, islice, repeat
-from operator import attrgetter, eq, is_not
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from itertools import compress, count, repeat
+from operator import attrgetter, eq
 from typing import Any
 from zlib import adler32, crc32
 
 from routing.policies.agreed_miss import agreed_position
 from routing.policies.base import BasePolicy, Explanation, Prediction, RequestInfo
 from routing.policies.load_index import LoadIndex
+from routing.policies.prefix_trees import PrefixTrees, Tree, held_depth
 from routing.request_text import request_text
 from routing.snapshot import WorkerView
-
-# Chained chunk hash (int) -> None, or a time mark (_Mark) -> when it was last moved.
-_Tree = OrderedDict[Hashable, float | None]
 
 _DEFAULTS: dict[str, float] = {
     "cache_threshold": 0.5,
@@ -207,18 +185,8 @@ _DEFAULTS: dict[str, float] = {
     "max_age_s": 600.0,
     "miss_spread": 0,
 }
-_MARKS_PER_AGE = 32  # a new time mark once the newest is max_age_s / 32 old
 _SWEEP_BASE = 32  # entries a decision may sweep beyond its own chunk count
 _ID = attrgetter("id")
-
-
-class _Mark:
-    """A time mark in a tree; only its identity matters (the tree holds its time)."""
-
-    __slots__ = ("created",)
-
-    def __init__(self, created: float) -> None:
-        self.created = created
 
 
 def _setting(
@@ -242,7 +210,7 @@ def _setting(
     return value
 
 
-class PrefixAwarePolicy(BasePolicy):
+class PrefixAwarePolicy(PrefixTrees, BasePolicy):
     name = "prefix_aware"
     needs_request_text = True
 
@@ -267,16 +235,9 @@ class PrefixAwarePolicy(BasePolicy):
         self.max_entries = int(_setting(cfg, "max_entries", integer=True, low=1))
         self.max_age_s = float(_setting(cfg, "max_age_s", low=0.0, low_open=True))
         self.miss_spread = float(_setting(cfg, "miss_spread", low=0.0))
-        self._mark_every = self.max_age_s / _MARKS_PER_AGE
         self._clock = clock or time.monotonic
         self._rng = rng or random.Random()
-        # Per worker id: its tree, its time marks (oldest first) and its entry count.
-        self._trees: dict[int, _Tree] = {}
-        self._marks: dict[int, deque[_Mark]] = {}
-        self._sizes: dict[int, int] = {}
-        self._entries = 0  # sum of _sizes
-        # First-chunk hash -> {worker id: its tree} for the trees that hold it.
-        self._heads: dict[int, dict[int, _Tree]] = {}
+        self._init_trees(self.max_entries, self.max_age_s)
         self._sweep_queue: list[int] = []  # worker ids still to sweep in this round
         # Chunk i spans _starts[i] up to _ends[i], sliced by _slices[i]; grown on demand.
         self._starts: list[int] = []
@@ -381,7 +342,7 @@ class PrefixAwarePolicy(BasePolicy):
         it against the answer); returns the chunks it holds, so crediting need not look."""
         if held is None:
             tree = self._trees.get(worker_id)
-            held = _held_depth(tree, hashes, 0) if tree is not None else 0
+            held = held_depth(tree, hashes, 0) if tree is not None else 0
         matched = min(self._ends[held - 1], self._chained_bytes) if held else 0
         self.last_prediction = Prediction(request, worker_id, None, matched / self._chained_bytes)
         return held
@@ -443,7 +404,7 @@ class PrefixAwarePolicy(BasePolicy):
 
     def _match(
         self, hashes: list[int], candidates: Mapping[int, int]
-    ) -> tuple[int, list[int], list[_Tree]]:
+    ) -> tuple[int, list[int], list[Tree]]:
         """(d, workers, their trees): the longest match among `candidates` is d chunks, and
         the workers holding that many are among those returned (_holding narrows)."""
         heads = self._heads.get(hashes[0])
@@ -458,116 +419,21 @@ class PrefixAwarePolicy(BasePolicy):
         # Binary-search one holder's depth d; then, if anyone in the running holds chunk
         # d + 1, keep only those and search again from there. Usually one round: one tree's
         # O(log chunks) lookups plus one lookup per other worker sharing the prefix.
-        depth = _held_depth(trees[0], hashes, 1)
+        depth = held_depth(trees[0], hashes, 1)
         contains = OrderedDict.__contains__
         while len(trees) > 1 and depth < len(hashes):
             key = hashes[depth]
             if not any(map(contains, trees, repeat(key))):
                 break
             ids, trees = self._holding(key, ids, trees)
-            depth = _held_depth(trees[0], hashes, depth + 1)
+            depth = held_depth(trees[0], hashes, depth + 1)
         return depth, ids, trees
 
     @staticmethod
-    def _holding(key: int, ids: list[int], trees: list[_Tree]) -> tuple[list[int], list[_Tree]]:
+    def _holding(key: int, ids: list[int], trees: list[Tree]) -> tuple[list[int], list[Tree]]:
         """The workers among `ids` whose tree holds `key`, and their trees."""
         has = list(map(OrderedDict.__contains__, trees, repeat(key)))
         return list(compress(ids, has)), list(compress(trees, has))
-
-    # -- the trees ------------------------------------------------------------------------
-
-    def _insert(self, worker_id: int, hashes: list[int], now: float, held: int | None) -> None:
-        """Credit `worker_id` with the chain `hashes`, of which it holds the first `held`
-        (None: look it up)."""
-        tree = self._trees.get(worker_id)
-        if tree is None:
-            tree = self._trees[worker_id] = OrderedDict()
-            self._marks[worker_id] = deque()
-            self._sizes[worker_id] = 0
-        if held is None:
-            held = _held_depth(tree, hashes, 0)
-        added = len(hashes) - held
-        if added:  # new chunks, deepest first, appended...
-            fresh = hashes[held:]
-            tree.update(zip(reversed(fresh), repeat(None)))
-            if not held:
-                self._heads.setdefault(hashes[0], {})[worker_id] = tree
-            self._sizes[worker_id] += added
-            self._entries += added
-        if held:  # ...then the held prefix moved after them, deepest first
-            deque(map(tree.move_to_end, reversed(hashes[:held])), maxlen=0)
-        marks = self._marks[worker_id]
-        if marks and now - marks[-1].created < self._mark_every:
-            tree.move_to_end(marks[-1])
-            tree[marks[-1]] = now
-        else:
-            mark = _Mark(now)
-            tree[mark] = now
-            marks.append(mark)
-        over = self._entries - self.max_entries
-        if over > 0:
-            self._shrink(worker_id, tree, over)
-
-    def _shrink(self, worker_id: int, tree: _Tree, over: int) -> None:
-        """Evict `over` entries: first this tree's beyond its fair share, then the largest's."""
-        sizes = self._sizes
-        own = min(over, sizes[worker_id] - self.max_entries // len(self._trees))
-        if own > 0:
-            over -= self._pop_oldest(worker_id, tree, own, entries=True)
-        while over > 0:
-            largest = max(sizes, key=sizes.__getitem__)
-            if not sizes[largest]:  # cannot happen while the counts are right; never spin
-                break
-            over -= self._pop_oldest(largest, self._trees[largest], over, entries=True)
-
-    def _pop_oldest(self, worker_id: int, tree: _Tree, n: int, *, entries: bool) -> int:
-        """Evict from the old end of a tree: n items (marks included), or with `entries`
-        n entries (or all it has). Returns the entries evicted."""
-        marks = self._marks[worker_id]
-        gone = 0
-        while n > 0 and tree:
-            items = list(map(tree.popitem, repeat(False, min(n, len(tree)))))
-            keys = [key for key, value in items if value is None]
-            for _ in range(len(items) - len(keys)):
-                marks.popleft()  # marks leave in order
-            if keys:
-                self._forget(worker_id, keys)
-            gone += len(keys)
-            n -= len(keys) if entries else len(items)
-        self._sizes[worker_id] -= gone
-        self._entries -= gone
-        return gone
-
-    def _forget(self, worker_id: int, keys: list[Any]) -> None:
-        """Update the first-chunk index for chain hashes `keys` leaving a worker's tree."""
-        heads = self._heads
-        for key in filter(heads.__contains__, keys):
-            holders = heads[key]
-            holders.pop(worker_id, None)
-            if not holders:
-                del heads[key]
-
-    def _sweep(self, worker_id: int, now: float, budget: int) -> None:
-        """Evict up to `budget` stale items from the head of a worker's tree; drop the tree
-        once it holds no entries."""
-        tree = self._trees.get(worker_id)
-        if tree is None:
-            return
-        marks = self._marks[worker_id]
-        cutoff = now - self.max_age_s
-        stale = 0  # marks at the head older than max_age_s: all before the last is stale
-        for mark in marks:
-            if (tree[mark] or 0.0) >= cutoff:
-                break
-            stale += 1
-        if stale:
-            # Evict up to the last stale mark, at most `budget` items this time.
-            window = list(map(is_not, islice(tree.values(), budget), repeat(None)))
-            at = list(compress(count(), window))  # where the marks are in the window
-            n = at[stale - 1] + 1 if len(at) >= stale else len(window)
-            self._pop_oldest(worker_id, tree, n, entries=False)
-        if not self._sizes[worker_id]:
-            del self._trees[worker_id], self._marks[worker_id], self._sizes[worker_id]
 
     # -- explaining, read-only -----------------------------------------------------------
 
@@ -582,7 +448,7 @@ class PrefixAwarePolicy(BasePolicy):
         rows = []
         for worker in workers:
             tree = self._trees.get(worker.id)
-            depth = _held_depth(tree, hashes, 0) if tree is not None and hashes else 0
+            depth = held_depth(tree, hashes, 0) if tree is not None and hashes else 0
             matched = min(self._ends[depth - 1], length) if depth else 0
             rows.append((matched, loads.get(worker.id, 0), worker))
         rows.sort(key=lambda r: (-r[0], r[1]))
@@ -639,29 +505,3 @@ class PrefixAwarePolicy(BasePolicy):
             return False
         self._insert(worker_id, chain, float(self._clock()), None)
         return True
-
-    def tree_size(self, worker_id: int) -> int:
-        """Entries (chunks) remembered for a worker, stale ones not swept yet included."""
-        return self._sizes.get(worker_id, 0)
-
-    @property
-    def entries(self) -> int:
-        """Entries over all workers; never more than max_entries after a decision."""
-        return self._entries
-
-
-def _held_depth(tree: _Tree, hashes: list[int], known: int) -> int:
-    """How many leading chunks of the chain `tree` holds, knowing it holds `known` (a
-    binary search: what a tree holds is prefix-closed)."""
-    if not known:
-        if hashes[0] not in tree:
-            return 0
-        known = 1
-    lo, hi = known, len(hashes)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if hashes[mid - 1] in tree:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -306,11 +306,13 @@ def start_router(
     return proc.pid
 
 
-def start_floor(fleet: Fleet, port: int, upstreams: dict[str, list[str]]) -> int:
+def start_floor(
+    fleet: Fleet, port: int, upstreams: dict[str, list[str]], name: str = "floor"
+) -> int:
     """bench/floor_proxy.py, with exactly the uvicorn flags the router gets."""
     spec = ";".join(f"{model}={','.join(urls)}" for model, urls in upstreams.items())
     proc = fleet.spawn(
-        "floor",
+        name,
         [
             PYTHON, "-m", "uvicorn", "bench.floor_proxy:app", "--host", HOST,
             "--port", str(port), "--lifespan", "on", "--no-access-log",

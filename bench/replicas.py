@@ -23,6 +23,10 @@ after it, so no idle router takes CPU from another set-up's runs:
   (round robin per connection), so each client's keep-alive connection stays with one
   replica (how a Kubernetes Service balances: per connection, not per request); reported
   beside the stream target as another condition, never for it;
+* ``floor1``, ``floor2``: the oracle's choices sent through one ``bench/floor_proxy.py`` (the
+  least a proxy on this stack costs: uvicorn, aiohttp, one JSON parse), or through two behind
+  the same haproxy; so each TTFT target can be read against what a proxy that does nothing
+  but forward costs on this machine, in the same run (policy "oracle" in the report);
 * ``oracle``: no router; the client picks the worker itself (the routing benchmark's oracle:
   group g to worker g mod 4; round robin for the workloads without prefixes).
 
@@ -48,7 +52,7 @@ median of per-round ratios (``bench/replicas_report.py``).
 
 Usage: ``.venv/bin/python bench/replicas.py [--quick] [--rounds N] [--only SETUP]
 [--workload W] [--kv [--tokenizer]] [--policy P] [--prefix-config JSON] [--kv-config JSON]
-[--baseline FILE]``.
+[--inflight-limit N] [--baseline FILE]``.
 Prints a markdown report on stdout (progress on stderr) and writes
 ``bench/out/replicas-<timestamp>.json``; ``--baseline`` compares one router's CPU per
 request with an earlier run's JSON. Exit 0 when every request succeeded (targets may FAIL in
@@ -80,9 +84,9 @@ from bench.replicas_measure import WORKLOADS, run_one
 from bench.replicas_report import medians, report, targets
 from bench.replicas_setups import (
     ALL_SETUPS,
-    ORACLE,
     POLICY_SETTLE_S,
     REPLICAS2C,
+    ROUTERLESS,
     ROUTERS2,
     SETUPS,
     TOKENIZER,
@@ -213,12 +217,12 @@ async def run_setup(
     setup = await start_setup(proc, http, name, workers.workers)
     out = []
     try:
-        if name != ORACLE:
+        if name not in ROUTERLESS:
             await warm_up(http, setup)
             policies.used = True  # the warm-up went through the instance in force
-        oracle_done: set[str] = set()  # the oracle runs each workload once
+        oracle_done: set[str] = set()  # the oracle and the floors run each workload once
         for workload, policy in plan:
-            if name == ORACLE:
+            if name in ROUTERLESS:
                 if workload in oracle_done:
                     continue
                 oracle_done.add(workload)
@@ -260,6 +264,8 @@ async def benchmark(
         CONTROLPANEL_HOUSEKEEPING_SECONDS=str(rf.PROBE_INTERVAL_S),
         CONTROLPANEL_SHUTDOWN_GRACE="5",
     )
+    if args.inflight_limit:
+        proc.env["CONTROLPANEL_MAX_INFLIGHT_PER_WORKER"] = str(args.inflight_limit)
     log(f"migrating {db.name} ...")
     proc.run([PYTHON, "manage.py", "migrate", "--noinput"])
     unavailable: dict[str, str] = {}
@@ -353,6 +359,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_config_arguments(parser)
     parser.add_argument(
+        "--inflight-limit",
+        type=int,
+        default=0,
+        metavar="N",
+        help="CONTROLPANEL_MAX_INFLIGHT_PER_WORKER for every router (fleet-wide with Redis): "
+        "set to the workers' --max-batch, routers hold a request until a slot is free instead "
+        "of queueing it at a full worker; a condition of the run, default 0 (no limit)",
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         metavar="FILE",
@@ -373,6 +388,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--rounds must be between 1 and 20")
     if args.tokenizer and not args.kv:
         parser.error("--tokenizer needs --kv")
+    if not 0 <= args.inflight_limit <= 10_000:
+        parser.error("--inflight-limit must be between 0 and 10000")
     if not 1 <= args.redis_db <= 15:
         parser.error("--redis-db must be between 1 and 15 (db 0 is everyone's default)")
     if args.baseline is not None and not args.baseline.is_file():
@@ -421,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             "policy_settle_s": POLICY_SETTLE_S,
             "prefix_aware_config": args.prefix_config,
             "kv_aware_config": args.kv_config,
+            "inflight_limit": args.inflight_limit,
             "seed": SEED,
             "python": PYTHON,
         },

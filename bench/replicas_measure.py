@@ -42,7 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import harness
 from bench import routing_fleet as rf
 from bench.overhead_load import Scenario, load_round
-from bench.replicas_setups import ORACLE, ROUTERS2, Setup
+from bench.replicas_setups import FLOORS, ORACLE, ROUTERLESS, ROUTERS2, Setup
 from bench.routing_load import CONCURRENCY, pickers, run_sessions
 from bench.routing_workloads import Workload
 
@@ -226,7 +226,10 @@ async def send(
     """The workload's traffic to the set-up's front, or to the workers for the oracle."""
     if workload in chats:
         front: Callable[[Any], str] = lambda s: setup.front  # noqa: E731
-        pick = pickers(workers)["client_oracle"] if setup.name == ORACLE else front
+        pick = pickers(workers)["client_oracle"] if setup.name in ROUTERLESS else front
+        if setup.name in FLOORS:  # the oracle's worker, named to the floor proxy
+            oracle = pick
+            pick = lambda s: pinned(setup, workers, oracle(s))  # noqa: E731
         samples, wall = await run_sessions(
             chats[workload], pick, CONCURRENCY, tag, include_usage=bool(workers.kv_events)
         )
@@ -236,9 +239,16 @@ async def send(
     n = (STREAM_REQUESTS if stream else TINY_REQUESTS)[scale]
     sc = Scenario(workload, rf.MODEL, STREAM_CONCURRENCY if stream else TINY_CONCURRENCY, n, stream)
     urls = workers.workers if setup.name == ORACLE else [setup.front]
+    if setup.name in FLOORS:  # round robin, as the oracle's
+        urls = [pinned(setup, workers, url) for url in workers.workers]
     out, wall = await load_round([u + "/v1/chat/completions" for u in urls], sc, n)
     kinds = {"failed": out.errors} if out.errors else {}
     return Sent(out.ttfts, out.latencies, n, out.errors, kinds, wall)
+
+
+def pinned(setup: Setup, workers: rf.Fleet, worker: str) -> str:
+    """The floor proxy's address for `worker` (bench/floor_proxy.py's /upstream/<i>/)."""
+    return f"{setup.front}/upstream/{workers.workers.index(worker)}"
 
 
 async def run_one(

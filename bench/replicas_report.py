@@ -17,12 +17,16 @@ from bench.harness import OTHER_LOAD_WARN_PCT
 from bench.replicas_measure import WORKLOADS
 from bench.replicas_setups import (
     ALL_SETUPS,
+    FLOOR1,
+    FLOOR2,
+    FLOORS,
     LABELS,
     MULTI,
     ONE,
     ORACLE,
     REPLICAS2,
     REPLICAS2C,
+    ROUTERLESS,
     ROUTERS2,
 )
 
@@ -131,9 +135,34 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     if ratio is not None:
         ok = ratio <= STREAM_P99_TARGET
         out.append(judged(what, ratio, per, f"<= {STREAM_P99_TARGET}", ok, REPLICAS2C, result))
+    out += floor_references(result)
     out += kv_targets(result)
     out += cpu_targets(result)
     return out
+
+
+def floor_references(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the floor proxies reach on the same figures, in the same run: no router can do
+    better than forwarding the oracle's choice, so a target tighter than its floor cannot be
+    met on this machine by any router (reported beside the targets, not as one)."""
+    runs, out = result["runs"], []
+    oracle: Key = (ORACLE, "prefix", "oracle")
+    for setup in FLOORS:
+        what = f"(reference) prefix mean TTFT, {LABELS[setup]} / client oracle"
+        ratio, per = paired(runs, (setup, "prefix", "oracle"), oracle, "ttft_mean_ms")
+        if ratio is not None:
+            out.append(reference(what, ratio, per, f"<= {ORACLE_RATIO_TARGET}"))
+    what = "(reference) stream TTFT p99, 2 floor proxies + haproxy / one floor proxy"
+    two: Key = (FLOOR2, "stream", "oracle")
+    ratio, per = paired(runs, two, (FLOOR1, "stream", "oracle"), "ttft_p99_ms")
+    if ratio is not None:
+        out.append(reference(what, ratio, per, f"<= {STREAM_P99_TARGET}"))
+    return out
+
+
+def reference(what: str, ratio: float, per: list[float], limit: str) -> dict[str, Any]:
+    return {"target": what, "value": ratio, "rounds": per, "limit": limit,
+            "verdict": "reference: the floor"}  # fmt: skip
 
 
 KV_TTFT_TARGET = 1.10  # issue 15: kv_aware's mean TTFT <= 1.10 x the oracle's on prefix
@@ -293,7 +322,7 @@ def shared_table(summary: list[dict[str, Any]]) -> list[str]:
         "|---|---|--:|--:|--:|---|--:|",
     ]
     for row in summary:
-        if row["setup"] == ORACLE:
+        if row["setup"] in ROUTERLESS:
             continue
         b, a = row["redis_before"], row["redis_after"]
         pub = row["shared_bytes_per_s"]
@@ -326,7 +355,8 @@ def scaling_lines(summary: list[dict[str, Any]]) -> list[str]:
         "| haproxy CPU ms/req | machine busy % |",
         "|---|--:|--:|--:|--:|--:|--:|",
     ]
-    procs = {ONE: 1, "routers2": 2, REPLICAS2: 2, "replicas3": 3, REPLICAS2C: 2, ORACLE: 0}
+    procs = {ONE: 1, "routers2": 2, REPLICAS2: 2, "replicas3": 3, REPLICAS2C: 2, ORACLE: 0,
+             FLOOR1: 1, FLOOR2: 2}  # fmt: skip
     for setup in ALL_SETUPS:
         row = rows.get(setup)
         if row is None:
@@ -370,6 +400,8 @@ def report(result: dict[str, Any]) -> str:
         f"PostgreSQL database {cfg['database']}, Redis db {cfg['redis_db']}; policy changes "
         "waited for by /health snapshot_generation on every addressable router + "
         f"{cfg['policy_settle_s']} s. Took {result['duration_s']} s.",
+        f"Admission: CONTROLPANEL_MAX_INFLIGHT_PER_WORKER={cfg.get('inflight_limit') or 0} "
+        "on every router (0: no limit, the default).",
         "",
     ]
     for setup, why in result["unavailable"].items():

@@ -13,8 +13,11 @@ A library for that script, not a script:
   replica, as a Kubernetes Service (kube-proxy) balances connections rather than requests.
 * **Set-ups** (:data:`SETUPS`): one router, one replica with ``manage.py serve --routers 2``
   (when this build has the option), two and three replicas behind haproxy balancing
-  requests, two balancing connections (``replicas2c``, not in the default run), and the client
-  oracle (no router at all). :func:`start_setup` starts one on the shared database, waits until
+  requests, two balancing connections (``replicas2c``, not in the default run), the client
+  oracle (no router at all), and the floors: the oracle's assignment through one
+  bench/floor_proxy.py (``floor1``) or two behind the same haproxy (``floor2``), the least
+  any router, or pair of routers behind haproxy, can cost on this machine.
+  :func:`start_setup` starts one on the shared database, waits until
   every router lists the workers as routable, and :func:`stop_setup` stops it again, so no idle
   router of another set-up takes CPU from a measured one.
 * **Policies.** :func:`set_policy` changes the model's policy through one router's
@@ -57,15 +60,21 @@ ROUTER_FLAGS = ("--lifespan", "on", "--no-access-log")
 
 ONE, ROUTERS2, REPLICAS2, REPLICAS3, ORACLE = "one", "routers2", "replicas2", "replicas3", "oracle"
 REPLICAS2C = "replicas2c"  # haproxy keeps a client connection on one replica
-SETUPS = (ONE, ROUTERS2, REPLICAS2, REPLICAS3, ORACLE)
+# The oracle's assignment through bench/floor_proxy.py: one, or two behind haproxy.
+FLOOR1, FLOOR2 = "floor1", "floor2"
+FLOORS = (FLOOR1, FLOOR2)
+ROUTERLESS = (ORACLE, *FLOORS)  # no router: each workload runs once per round, no policy
+SETUPS = (ONE, ROUTERS2, REPLICAS2, REPLICAS3, FLOOR1, FLOOR2, ORACLE)
 OPTIONAL_SETUPS = (REPLICAS2C,)  # run only when named with --only
-ALL_SETUPS = (*SETUPS[:-1], *OPTIONAL_SETUPS, SETUPS[-1])  # the report's order
+ALL_SETUPS = (*SETUPS[:4], *OPTIONAL_SETUPS, *SETUPS[4:])  # the report's order
 LABELS = {
     ONE: "one router",
     ROUTERS2: "one replica, serve --routers 2",
     REPLICAS2: "2 replicas + haproxy",
     REPLICAS3: "3 replicas + haproxy",
     REPLICAS2C: "2 replicas + haproxy per connection",
+    FLOOR1: "floor proxy (oracle's assignment)",
+    FLOOR2: "2 floor proxies + haproxy (oracle's assignment)",
     ORACLE: "client oracle",
 }
 MULTI = (ROUTERS2, REPLICAS2, REPLICAS3)
@@ -139,10 +148,13 @@ HTTP_OPTIONS = """\
 """
 
 
-def haproxy_config(port: int, replica_ports: list[int], per_connection: bool = False) -> str:
+def haproxy_config(
+    port: int, replica_ports: list[int], per_connection: bool = False, check: bool = True
+) -> str:
+    """`check`: health-check the replicas (GET /health); floor proxies have no /health."""
+    checking = " check inter 2s" if check else ""
     servers = "\n".join(
-        f"    server r{i} {HOST}:{p} check inter 2s maxconn 4096"
-        for i, p in enumerate(replica_ports)
+        f"    server r{i} {HOST}:{p}{checking} maxconn 4096" for i, p in enumerate(replica_ports)
     )
     # Layer 4 when per connection: each client connection to one replica, as kube-proxy does.
     mode, options = ("tcp", "") if per_connection else ("http", HTTP_OPTIONS)
@@ -152,10 +164,15 @@ def haproxy_config(port: int, replica_ports: list[int], per_connection: bool = F
 
 
 def start_haproxy(
-    proc: harness.Fleet, name: str, port: int, replica_ports: list[int], per_connection: bool
+    proc: harness.Fleet,
+    name: str,
+    port: int,
+    replica_ports: list[int],
+    per_connection: bool,
+    check: bool = True,
 ) -> int:
     path = proc.tmp / f"{name}.cfg"
-    path.write_text(haproxy_config(port, replica_ports, per_connection))
+    path.write_text(haproxy_config(port, replica_ports, per_connection, check))
     check = subprocess.run([str(HAPROXY), "-c", "-q", "-f", str(path)], capture_output=True)
     if check.returncode != 0:
         raise RuntimeError(f"haproxy rejects {path}:\n{check.stderr.decode()[-2000:]}")
@@ -212,6 +229,8 @@ async def start_setup(
     """Start `name`'s processes, and wait until every router routes to all `workers`."""
     if name == ORACLE:
         return Setup(name, "", {}, [])
+    if name in FLOORS:
+        return await start_floors(proc, http, name, workers)
     n = {ONE: 1, ROUTERS2: 1, REPLICAS2: 2, REPLICAS3: 3, REPLICAS2C: 2}[name]
     ports = harness.free_ports(n + 1)
     routers: dict[str, int] = {}
@@ -238,6 +257,30 @@ async def start_setup(
             partial(harness.http_ok, http, setup.front + "/health"),
             proc,
         )
+    return setup
+
+
+async def start_floors(
+    proc: harness.Fleet, http: aiohttp.ClientSession, name: str, workers: list[str]
+) -> Setup:
+    """One floor proxy, or two behind haproxy (round robin per request, no health check),
+    each forwarding ``/upstream/<i>/...`` to worker i: clients send the oracle's choice."""
+    n = 1 if name == FLOOR1 else 2
+    ports = harness.free_ports(n + 1)
+    pids = {
+        f"{name}-r{i}": harness.start_floor(proc, ports[i], {"": workers}, name=f"{name}-r{i}")
+        for i in range(n)
+    }
+    setup = Setup(name, f"http://{HOST}:{ports[0]}", pids, [], procs=list(pids))
+    if n > 1:
+        hname = f"{name}-haproxy"
+        setup.haproxy_pid = start_haproxy(proc, hname, ports[n], ports[:n], False, check=False)
+        setup.procs.append(hname)
+        setup.front = f"http://{HOST}:{ports[n]}"
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    for url in [f"http://{HOST}:{p}" for p in ports[:n]] + [setup.front]:
+        probe = f"{url}/upstream/0/v1/chat/completions"
+        await harness.wait_until(probe, partial(harness.post_ok, http, probe, body), proc)
     return setup
 
 

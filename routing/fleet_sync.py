@@ -266,6 +266,7 @@ class FleetSync:
         return list(
             admission.leases.asks(
                 per_worker=admission.per_worker,
+                workers=(w.id for w in self.router.snapshot.workers if w.routable),
                 worker_inflight=self.router.inflight,
                 worker_queued=queued_per_worker(
                     model_queued,

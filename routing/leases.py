@@ -5,11 +5,13 @@ limits for the whole deployment, not for each router process. Counting the deplo
 requests on every request would cost a Redis round trip on the request path; instead each
 router leases slots, off the path, and admits against its lease from memory:
 
-* Every tick (routing.fleet_sync, 50 ms), for each limit that has traffic or a lease here,
-  the router asks one Lua script, atomically on Redis, for a new lease. It says how many
-  slots it uses (`inflight`), how many it could use (`demand`: in flight plus queued) and
-  how many it asks for (`ask`: the demand plus one spare slot, so the next request after a
-  quiet spell need not wait for a tick).
+* Every tick (routing.fleet_sync, 50 ms), for each limit of a routable worker or a model,
+  and each other one that has traffic or a lease here, the router asks one Lua script,
+  atomically on Redis, for a new lease. It says how many slots it uses (`inflight`), how
+  many it could use (`demand`: in flight plus queued) and how many it asks for (`ask`: the
+  demand plus one spare slot, so the next request after a quiet spell need not wait for a
+  tick; a router that has never sent to a worker asks too, or its first request there
+  would wait a tick, and be refused at once with the queue off).
 * The script drops the leases of routers that stopped renewing them (LEASE_TTL_MS), and
   grants ``min(ask, limit - held - owed)``: ``held`` is what the other routers hold,
   ``owed`` what they are due but do not have yet (each router with demand is due up to its
@@ -64,7 +66,7 @@ own (the limits then hold per process, as they always did without shared state),
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 LEASE_TTL_MS = 2_000
@@ -199,6 +201,7 @@ class Leases:
         self,
         *,
         per_worker: int,
+        workers: Iterable[int] = (),
         worker_inflight: Mapping[int, int],
         worker_queued: Mapping[int, int],
         model_limits: Mapping[str, int],
@@ -208,12 +211,14 @@ class Leases:
         weight: Callable[[str], float] = lambda key: 1.0,
         first: Callable[[str], float] = lambda key: 0.0,
     ) -> Iterator[LeaseAsk]:
-        """What to ask for this tick: every limit with traffic here or a lease held.
-        `keep(key, lease)`: slots of the lease to go on holding, unused, through the round
-        trip (a priority class's headroom, routing.admission); `weight(key)` and
-        `first(key)`: what the router is due of the limit (module docstring)."""
+        """What to ask for this tick: every limit of `workers` (the routable ones) and of a
+        model, and any other with traffic here or a lease held. `keep(key, lease)`: slots
+        of the lease to go on holding, unused, through the round trip (a priority class's
+        headroom, routing.admission); `weight(key)` and `first(key)`: what the router is
+        due of the limit (module docstring)."""
         if per_worker:
-            for worker_id in set(worker_inflight) | set(worker_queued) | self._held("worker:"):
+            asked = set(workers) | set(worker_inflight) | set(worker_queued)
+            for worker_id in asked | self._held("worker:"):
                 running = worker_inflight.get(worker_id, 0)
                 demand = running + worker_queued.get(worker_id, 0)
                 key = f"worker:{worker_id}"

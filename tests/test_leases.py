@@ -86,6 +86,15 @@ def test_kept_headroom_never_exceeds_the_lease_held() -> None:
     assert held.inflight == 2  # the lease is all in use: nothing more to keep
 
 
+def test_a_router_asks_a_spare_slot_of_every_routable_worker_before_sending_there() -> None:
+    asks = Leases().asks(
+        per_worker=4, workers=[1, 2], worker_inflight={3: 1}, worker_queued={},
+        model_limits={}, model_inflight={}, model_queued={},
+    )  # fmt: skip
+    by_key = {a.key: (a.ask, a.demand, a.inflight) for a in asks}
+    assert by_key == {"worker:1": (1, 0, 0), "worker:2": (1, 0, 0), "worker:3": (2, 1, 1)}
+
+
 def test_critical_requests_may_fill_the_record_the_others_only_the_grant() -> None:
     """A router over its share (grant 2) still has 4 recorded: 3 running and 1 kept for
     critical requests; only a critical request may take that kept slot."""

@@ -150,6 +150,24 @@ def test_in_flight_limits_hold_for_the_whole_deployment(
 
 
 @needs_redis
+def test_a_router_that_never_served_a_worker_admits_its_first_request_at_once(
+    routers: Callable[..., list[RouterServer]], simulator: StartSimulator
+) -> None:
+    """Without a queue, a request the lease has no room for is refused at once: a router
+    must hold a spare slot of every worker's limit before its first request, not only of
+    the workers it has sent to."""
+    both = routers(2, CONTROLPANEL_MAX_INFLIGHT_PER_WORKER="4", CONTROLPANEL_QUEUE_MAX="0")
+    sim = simulator("m", max_batch=64)
+    join([sim], *both)
+    for router in both:  # several lease rounds since the worker joined
+        wait_until(lambda r=router: r_health(r)["shared_state"]["up"])
+    time.sleep(0.3)
+    for router in both:
+        answer = chat(router, "first")
+        assert answer.status_code == 200, answer.text
+
+
+@needs_redis
 def test_a_models_in_flight_limit_holds_for_the_whole_deployment(
     routers: Callable[..., list[RouterServer]], simulator: StartSimulator
 ) -> None:

@@ -3,8 +3,10 @@ Channels for websockets, and a lifespan that owns the router's session and refre
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+from collections.abc import Coroutine
 from typing import Any
 
 from django.core.asgi import get_asgi_application
@@ -96,11 +98,30 @@ class ControlPanelApp:
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                await publisher.stop()
-                await self.refresher.stop()
-                await self.router.shutdown()
+                await publisher.stop()  # bounded on its own
+                await stop_within("the snapshot refresher", self.refresher.stop())
+                await stop_within("the router", self.router.shutdown())
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+# How long each shutdown step may take. The supervisor (launcher.supervisor) kills a router
+# STOP_MARGIN_SECONDS (5) after its streams' grace; a step stuck on the database or Redis
+# must not use that margin up, or the router dies with its last usage and deregistration
+# unwritten *and* no word of which step hung.
+STOP_STEP_SECONDS = 2.0
+
+
+async def stop_within(what: str, step: Coroutine[Any, Any, None]) -> None:
+    """Run one shutdown step for at most STOP_STEP_SECONDS; past that, log it by name and
+    leave it behind (asyncio.wait, not wait_for, which would wait for the cancel too)."""
+    task = asyncio.ensure_future(step)
+    done, _ = await asyncio.wait({task}, timeout=STOP_STEP_SECONDS)
+    if not done:
+        task.cancel()
+        log.warning("%s did not stop within %.0f s; left behind", what, STOP_STEP_SECONDS)
+    elif not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("%s failed to stop cleanly", what, exc_info=exc)
 
 
 application = ControlPanelApp()

@@ -11,7 +11,9 @@ router leases slots, off the path, and admits against its lease from memory:
   many it could use (`demand`: in flight plus queued) and how many it asks for (`ask`: the
   demand plus one spare slot, so the next request after a quiet spell need not wait for a
   tick; a router that has never sent to a worker asks too, or its first request there
-  would wait a tick, and be refused at once with the queue off).
+  would wait a tick, and be refused at once with the queue off). The spare slot is not
+  usable during the script's round trip (`hold`, below): a request arriving then waits
+  those few milliseconds, and with the queue off (CONTROLPANEL_QUEUE_MAX=0) is refused.
 * The script drops the leases of routers that stopped renewing them (LEASE_TTL_MS), and
   grants ``min(ask, limit - held - owed)``: ``held`` is what the other routers hold,
   ``owed`` what they are due but do not have yet (each router with demand is due up to its

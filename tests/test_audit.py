@@ -81,6 +81,10 @@ def test_the_events_page_lists_what_the_message_does_not_say() -> None:
     ]  # fmt: skip
     assert changes("deleted", {"targets": {"m": 100}}, {}) == [("targets", '{"m": 100}', None)]
     assert event_changes(Event(kind="worker_joined", message="x", data={})) == []
+    # States read as everywhere else on the pages, never as their identifiers.
+    assert changes("rolled back", {"state": "rolling_back"}, {"state": "rolled_back"}) == [
+        ("state", "rolling back", "rolled back")
+    ]
 
 
 def test_admin_api_changes_are_events_with_actor_and_before_after(

@@ -227,10 +227,16 @@ def event_changes(event: Event) -> list[Change]:
     if before and after and _message_says(event.message, before, after):
         return []
     if not before:  # a creation: what it was made with, not the empty defaults
-        return [
-            Change(f, None, value_text(v)) for f, v in after.items() if v not in (None, "", [], {})
-        ]
+        set_ = {f: v for f, v in after.items() if v not in (None, "", [], {})}
+        return [Change(f, None, _shown(f, v)) for f, v in set_.items()]
     if not after:
-        return [Change(f, value_text(v), None) for f, v in before.items()]
+        return [Change(f, _shown(f, v), None) for f, v in before.items()]
     fields = [f for f in dict.fromkeys([*before, *after]) if before.get(f) != after.get(f)]
-    return [Change(f, value_text(before.get(f)), value_text(after.get(f))) for f in fields]
+    return [Change(f, _shown(f, before.get(f)), _shown(f, after.get(f))) for f in fields]
+
+
+def _shown(field: str, value: Any) -> str:
+    """A value as the pages show it; a state as people read it (`rolled_back`: "rolled
+    back"), as every other place on the pages names states."""
+    text = value_text(value)
+    return text.replace("_", " ") if field == "state" else text

@@ -3,19 +3,26 @@
 **Frames** (vllm/distributed/kv_events.py, ``ZmqEventPublisher``). The PUB socket sends each
 batch as three frames: the topic, the sequence number (8 bytes, big-endian, from 0 when the
 engine starts) and the payload. The optional replay socket is a ROUTER: a DEALER sends
-``(b"", start_seq)`` (8 bytes, big-endian) and gets back ``(b"", seq, payload)`` for every
-buffered batch from `start_seq` on, then ``(b"", -1 as 8 signed bytes, b"")``.
+``(b"", start_seq)`` (8 bytes, big-endian) and gets back, as vLLM 0.32 answers,
+``(b"", topic, seq, payload)`` for every buffered batch from `start_seq` on, then
+``(b"", b"", -1 as 8 signed bytes, b"")``. Older engines left the topic out (three frames:
+``(b"", seq, payload)``, ended by ``(b"", -1, b"")``); both are read.
 
 **Payload.** msgpack of ``KVEventBatch(ts, events, data_parallel_rank)``, whose events are
-tagged msgspec structs, the tag being the class name. Two encodings exist, and both are
-decoded:
+tagged msgspec structs, the tag being the class name. The batch and its events are encoded
+apart, each either as a msgpack array (``array_like``) or a map, so each level is decoded by
+what it is:
 
-* current vLLM: every struct is a msgpack map (``omit_defaults``: a field equal to its
-  default may be missing), and an event carries its tag in a ``type`` field;
-* older vLLM (2025): ``array_like`` structs, each an array whose first item is an event's tag.
+* vLLM 0.32 (captured in tests/data/vllm-captures): the batch is an array
+  ``[ts, events, data_parallel_rank]`` (``EventBatch(array_like=True)``, first byte 0x93)
+  whose events are maps tagged by a ``type`` field (``KVCacheEvent(omit_defaults=True,
+  tag=True)``: a field equal to its default may be missing);
+* older vLLM (2025): arrays all the way down, each event's tag its first item;
+* a batch as a map of map events, which no release we know sends, is read too.
 
 Fields a newer vLLM adds are ignored (maps: unknown keys; arrays: trailing items). A payload
-that decodes to neither is :class:`MalformedBatch`, which the subscriber logs and counts.
+that decodes to none of these is :class:`MalformedBatch`, which the subscriber logs and
+counts.
 
 **Hybrid models** (sliding-window or mamba layers beside full attention) report each KV
 cache group's blocks with its ``group_idx``, and its kind on stores. Only full-attention
@@ -74,6 +81,14 @@ class KVEventBatch(msgspec.Struct, gc=False):
     data_parallel_rank: int | None = None
 
 
+class ArrayBatchOfMaps(msgspec.Struct, array_like=True, gc=False):
+    """vLLM 0.32: the batch an array, its events maps."""
+
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
 # -- older vLLM: arrays, the tag first -------------------------------------------------------
 
 
@@ -106,23 +121,33 @@ class ArrayKVEventBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-AnyBatch = KVEventBatch | ArrayKVEventBatch
+AnyBatch = KVEventBatch | ArrayBatchOfMaps | ArrayKVEventBatch
 _STORED = (BlockStored, ArrayBlockStored)
 _REMOVED = (BlockRemoved, ArrayBlockRemoved)
 
 _map_decoder = msgspec.msgpack.Decoder(KVEventBatch)
-_array_decoder = msgspec.msgpack.Decoder(ArrayKVEventBatch)
+# An array batch: vLLM 0.32's map events first (what every current engine sends), then
+# the older array events.
+_array_decoders = (
+    msgspec.msgpack.Decoder(ArrayBatchOfMaps),
+    msgspec.msgpack.Decoder(ArrayKVEventBatch),
+)
 
 
 def decode_batch(payload: bytes) -> AnyBatch:
-    """One payload, in whichever encoding it came (told by its first msgpack byte)."""
+    """One payload, in whichever encoding it came: the batch's first msgpack byte tells an
+    array from a map; an array batch's events are tried as maps, then as arrays."""
     if not payload:
         raise MalformedBatch("empty payload")
-    decoder = _array_decoder if _is_array(payload[0]) else _map_decoder
-    try:
-        return decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MalformedBatch(f"not a KVEventBatch: {exc}") from exc
+    decoders = _array_decoders if _is_array(payload[0]) else (_map_decoder,)
+    error: Exception | None = None
+    for decoder in decoders:
+        try:
+            batch: AnyBatch = decoder.decode(payload)
+            return batch
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            error = exc
+    raise MalformedBatch(f"not a KVEventBatch: {error}")
 
 
 def _is_array(first: int) -> bool:
@@ -138,10 +163,18 @@ def published_message(frames: Sequence[bytes]) -> tuple[int, bytes]:
 
 
 def replayed_message(frames: Sequence[bytes]) -> tuple[int, bytes]:
-    """(sequence number, payload) of one answer on a DEALER; seq -1 ends the replay."""
-    if len(frames) != 3 or frames[0] != b"":
-        raise MalformedBatch(f"expected (b'', seq, payload) from the replay socket: {frames!r}")
-    return _sequence(frames[1]), frames[2]
+    """(sequence number, payload) of one answer on a DEALER; seq -1 ends the replay.
+    vLLM 0.32 sends ``(b"", topic, seq, payload)``, older engines ``(b"", seq, payload)``."""
+    if len(frames) not in (3, 4) or frames[0] != b"":
+        raise MalformedBatch(
+            f"expected (b'', topic, seq, payload) from the replay socket, got {len(frames)} "
+            f"frames: {_brief(frames)}"
+        )
+    return _sequence(frames[-2]), frames[-1]
+
+
+def _brief(frames: Sequence[bytes]) -> str:
+    return ", ".join(repr(frame[:16]) for frame in frames[:5])
 
 
 def _sequence(raw: bytes) -> int:

@@ -8,6 +8,8 @@ and framed as it frames them."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -17,10 +19,13 @@ from routing import kv_events
 from routing.kv_events import MalformedBatch, apply_batch, decode_batch
 from routing.kv_index import KvIndex, SeqVerdict
 
-# -- vLLM's current definitions ----------------------------------------------------------------
+CAPTURES = Path(__file__).parent / "data" / "vllm-captures"
+
+# -- vLLM 0.32's definitions (vllm/distributed/kv_events.py): the batch array_like, its events
+# maps tagged by "type" -- what a real engine sends (tests/data/vllm-captures) -----------------
 
 
-class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
@@ -105,7 +110,7 @@ def stored(hashes: list[Any], parent: Any, tokens: list[int], **extra: Any) -> B
     return BlockStored(hashes, parent, tokens, 4, **fields)
 
 
-def test_current_encoding_is_maps_tagged_by_type_and_decodes() -> None:
+def test_current_encoding_is_an_array_of_maps_tagged_by_type_and_decodes() -> None:
     batch = KVEventBatch(
         ts=1.5,
         events=[
@@ -117,8 +122,8 @@ def test_current_encoding_is_maps_tagged_by_type_and_decodes() -> None:
     )
     seq, payload = kv_events.published_message(frames(7, batch))
     assert seq == 7
-    assert payload[0] & 0xF0 == 0x80  # a msgpack map: the encoding is what we think it is
-    assert b"\xa4type\xabBlockStored" in payload
+    assert payload[0] == 0x93  # [ts, events, rank], as a real engine's first byte
+    assert b"\xa4type\xabBlockStored" in payload  # the events: maps tagged by type
     decoded = decode_batch(payload)
     assert decoded.ts == 1.5 and decoded.data_parallel_rank == 0
     first, second, third = decoded.events
@@ -130,9 +135,9 @@ def test_current_encoding_is_maps_tagged_by_type_and_decodes() -> None:
 
 
 def test_omitted_defaults_decode() -> None:
-    # omit_defaults drops data_parallel_rank=None and every default event field.
+    # omit_defaults drops every default event field (an array batch keeps its three items).
     payload = ENCODER.encode(KVEventBatch(ts=2.0, events=[BlockRemoved([5], None)]))
-    assert b"data_parallel_rank" not in payload and b"group_idx" not in payload
+    assert payload[0] == 0x93 and b"group_idx" not in payload
     decoded = decode_batch(payload)
     assert decoded.data_parallel_rank is None
     assert isinstance(decoded.events[0], kv_events.BlockRemoved)
@@ -167,7 +172,7 @@ def test_fields_a_newer_vllm_adds_are_ignored() -> None:
 
     event = FutureBlockStored([1], None, [1, 2, 3, 4], 4, None, None, None, hash_algo="xxh")
     payload = ENCODER.encode(FutureBatch(ts=1.0, events=[event], origin="engine-3"))
-    assert b"hash_algo" in payload and b"origin" in payload
+    assert b"hash_algo" in payload and b"engine-3" in payload  # a fourth item, then
     event = decode_batch(payload).events[0]
     assert isinstance(event, kv_events.BlockStored) and event.block_hashes == [1]
     # Arrays: a trailing item (a field appended later) is ignored too.
@@ -245,9 +250,37 @@ def test_replay_protocol_frames() -> None:
     # A DEALER's request and the ROUTER's answers once the identity frame is stripped.
     assert kv_events.replay_request(5) == [b"", (5).to_bytes(8, "big")]
     payload = ENCODER.encode(KVEventBatch(0.0, []))
-    assert kv_events.replayed_message([b"", (5).to_bytes(8, "big"), payload]) == (5, payload)
+    five = (5).to_bytes(8, "big")
+    assert kv_events.replayed_message([b"", b"kv-events", five, payload]) == (5, payload)
     end = (-1).to_bytes(8, "big", signed=True)  # vLLM's END_SEQ
-    assert kv_events.replayed_message([b"", end, b""]) == (kv_events.END_OF_REPLAY, b"")
+    assert kv_events.replayed_message([b"", b"", end, b""]) == (kv_events.END_OF_REPLAY, b"")
+
+
+def test_vllm_032_replay_answer_as_captured_decodes_and_applies() -> None:
+    # Frame by frame, what a real vLLM 0.32 replay socket answered (tests/data): four frames
+    # a batch, the topic before the sequence number; the batch an array of map events.
+    captured = json.loads((CAPTURES / "replay-frames.json").read_text())
+    messages = [[bytes.fromhex(frame["hex"]) for frame in message] for message in captured]
+    assert all(len(message) == 4 for message in messages)
+    index = KvIndex()
+    seqs = []
+    for message in messages:
+        seq, payload = kv_events.replayed_message(message)
+        seqs.append(seq)
+        if seq == kv_events.END_OF_REPLAY:
+            break
+        assert payload[0] == 0x93  # [ts, events, data_parallel_rank]
+        assert index.check_sequence(1, seq) is SeqVerdict.APPLY
+        assert apply_batch(index, 1, decode_batch(payload)) == 1
+    assert seqs == [0, 1, 2, kv_events.END_OF_REPLAY]
+    status = index.status(1)
+    assert status is not None and status.block_size == 128 and status.blocks > 0
+    assert status.orphans == 0
+
+
+def test_older_three_frame_replay_answers_still_read() -> None:
+    payload = ENCODER.encode(KVEventBatch(0.0, []))
+    assert kv_events.replayed_message([b"", (7).to_bytes(8, "big"), payload]) == (7, payload)
 
 
 def test_hybrid_models_index_only_their_full_attention_groups() -> None:

@@ -99,6 +99,9 @@ class WorkerBlocks:
     # The index's key -> how many more of vLLM's blocks carry it beyond the first (extra
     # keys such as a cache salt give vLLM several hashes for the same tokens); rare.
     extra: dict[int, int] = field(default_factory=dict)
+    # vLLM's hash -> how many more physical blocks carry it beyond the first: vLLM does not
+    # de-duplicate a block recomputed while a copy is cached, and evicts each one apart.
+    copies: dict[BlockHash, int] = field(default_factory=dict)
     block_size: int | None = None
     trust: Trust = Trust.UNKNOWN
     next_seq: int | None = None  # the sequence number expected next; None: none seen
@@ -171,16 +174,16 @@ class KvIndex:
         worker_ids: Iterable[int],
         token_ids: Sequence[int],
         lora: LoraKey,
-        block_size: int,
+        block_size: int | None = None,
         next_keys: dict[int, int] | None = None,
-    ) -> dict[int, tuple[int, int]]:
+    ) -> dict[int, tuple[int, int | None]]:
         """:meth:`cached_blocks` of every trusted worker among `worker_ids`, each in its own
         block size, as ``{worker id: (blocks, block size)}``; the untrusted are left out.
-        `block_size` is the size of a trusted worker with nothing stored yet (0 blocks).
-        One walk of the prompt's chain per block size, for all its workers at once. With
-        `next_keys`, the chain key of the first block each worker of `block_size` does not
-        hold (Holders.walk)."""
-        found: dict[int, tuple[int, int]] = {}
+        A trusted worker with nothing stored yet holds 0 blocks of `block_size` (None: its
+        size is not known from its events). One walk of the prompt's chain per block size,
+        for all its workers at once. With `next_keys`, the chain key of the first block each
+        worker does not hold, in its own size (Holders.walk)."""
+        found: dict[int, tuple[int, int | None]] = {}
         masks: dict[int, int] = {}  # block size -> the bits of its trusted workers
         for worker_id in worker_ids:
             entry = self._trusted(worker_id)
@@ -192,8 +195,7 @@ class KvIndex:
                 masks[entry.block_size] = masks.get(entry.block_size, 0) | entry.bit
         seed = chain_seed(lora)
         for size, mask in masks.items():
-            out = next_keys if size == block_size else None
-            for held_by, count in self._holders.walk(mask, token_ids, seed, size, out):
+            for held_by, count in self._holders.walk(mask, token_ids, seed, size, next_keys):
                 found[held_by] = (count, size)
         return found
 
@@ -368,7 +370,10 @@ class KvIndex:
         for i, block_hash in enumerate(block_hashes):
             key = hash((key, tokens[i * block_size : (i + 1) * block_size]))
             if block_hash in by_vllm:
-                continue  # stored twice (replay overlap): counted once
+                # vLLM stores a recomputed block again under the same hash (a second
+                # physical block) and removes each physical block apart: count the copies.
+                entry.copies[block_hash] = entry.copies.get(block_hash, 0) + 1
+                continue
             by_vllm[block_hash] = key
             held = holders.get(key, 0)  # inlined: this loop is every event's cost
             if held & bit:
@@ -385,7 +390,13 @@ class KvIndex:
             return
         if self._holders.dead:
             self._holders.sweep()
+        copies = entry.copies
         for block_hash in block_hashes:
+            if block_hash in copies:  # another physical block keeps the hash cached
+                left = copies.pop(block_hash) - 1
+                if left:
+                    copies[block_hash] = left
+                continue
             key = entry.by_vllm.pop(block_hash, None)
             if key is not None:
                 self._release(entry, key)
@@ -440,6 +451,7 @@ class KvIndex:
             entry.by_vllm = {}  # the old dict lives on in the sweep, unchanged
         entry.by_vllm.clear()
         entry.extra.clear()
+        entry.copies.clear()
 
     def _reset(self, entry: WorkerBlocks) -> None:
         self._empty(entry)
@@ -454,5 +466,6 @@ class KvIndex:
         count += self.max_blocks_per_worker // _EVICT_SHARE
         oldest = list(itertools.islice(entry.by_vllm, count))
         for block_hash in oldest:
+            entry.copies.pop(block_hash, None)
             self._release(entry, entry.by_vllm.pop(block_hash))
         entry.evicted += len(oldest)

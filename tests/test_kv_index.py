@@ -82,6 +82,20 @@ def test_a_block_stored_under_two_hashes_stays_until_both_are_removed() -> None:
     assert index.cached_blocks(W, PROMPT) == 0
 
 
+def test_a_hash_stored_twice_stays_until_each_physical_block_is_removed() -> None:
+    # vLLM 0.32 stores a recomputed identical block again under the same hash (a second
+    # physical block) and sends one BlockRemoved per physical block.
+    index = ready_index()
+    index.store(W, [1], None, PROMPT[:4], BS, None)
+    index.store(W, [1], None, PROMPT[:4], BS, None)
+    index.remove(W, [1])
+    assert index.cached_blocks(W, PROMPT) == 1
+    index.remove(W, [1])
+    assert index.cached_blocks(W, PROMPT) == 0
+    index.remove(W, [1])  # one too many (an event lost upstream): harmless
+    assert index.cached_blocks(W, PROMPT) == 0
+
+
 def test_all_blocks_cleared_empties_and_trusts() -> None:
     index = ready_index()
     store_prompt(index, PROMPT, [1, 2, 3, 4])

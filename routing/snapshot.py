@@ -83,6 +83,10 @@ class WorkerView:
     # path (routing.kv_subscriber), and policies read the index it builds (routing.kv_index).
     kv_events: str = ""
     kv_events_replay: str = ""
+    # The engine's KV cache block size in tokens, from vllm:cache_config_info (None: not
+    # reported yet). kv_aware reads a worker's size from its events first, this second, and
+    # never assumes one (vLLM on CPUs uses 128, GPU backends 16 or more).
+    kv_block_size: int | None = None
 
     def heartbeat_age(self, now: float) -> float | None:
         return None if self.last_heartbeat is None else max(0.0, now - self.last_heartbeat)

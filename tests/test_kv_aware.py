@@ -51,8 +51,9 @@ def make(**config: Any) -> KvAwarePolicy:
     return KvAwarePolicy(config, clock=Clock(), rng=random.Random(0))
 
 
-def fleet(n: int) -> list[WorkerView]:
-    return [worker_view(i) for i in range(n)]
+def fleet(n: int, block_size: int | None = None) -> list[WorkerView]:
+    """n workers whose vllm:cache_config_info states `block_size` (default BLOCK)."""
+    return [worker_view(i, kv_block_size=block_size or BLOCK) for i in range(n)]
 
 
 def tokens(tag: int, n: int) -> list[int]:

@@ -125,7 +125,7 @@ def test_explain_shows_the_credit_and_credits_nothing() -> None:
 
 def test_an_adapters_credit_never_matches_the_base_model() -> None:
     lora = (ModelEntry("m"), ModelEntry("m-lora", parent="m"))
-    workers = [worker_view(i, models=lora) for i in range(2)]
+    workers = [worker_view(i, models=lora, kv_block_size=BLOCK) for i in range(2)]
     policy, _, _ = pending_policy(2)
     prompt = tokens(1, 20 * BLOCK)
     ask(policy, workers, request(prompt, model="m-lora"), {})
@@ -219,3 +219,32 @@ def test_a_request_never_counts_its_own_credit() -> None:
     assert policy.last_decision == "miss"  # its own credit is what it is to compute
     ask(policy, workers, request(prefix), {})
     assert policy.last_decision == "pending"  # another request's credit counts
+
+
+def test_each_worker_is_credited_in_its_own_block_size() -> None:
+    # vLLM on CPUs uses 128-token blocks, GPU backends 16 or 32: a mixed fleet is credited,
+    # matched and predicted in each worker's own size, as its cache_config_info states it.
+    policy, _, _ = pending_policy(2)
+    workers = [worker_view(0, kv_block_size=32), worker_view(1, kv_block_size=128)]
+    for sizes_first in range(2):
+        prompt = tokens(1 + sizes_first, 4 * 128 + 7)
+        loads = {0: 0, 1: 0}
+        loads[1 - sizes_first] = 1  # steer the miss to worker `sizes_first`
+        first = ask(policy, workers, request(prompt), loads)
+        assert first.id == sizes_first and policy.last_decision == "miss"
+        again = ask(policy, workers, request(prompt), loads)
+        assert again.id == first.id and policy.last_decision == "pending"
+        prediction = policy.last_prediction
+        assert prediction is not None and prediction.block_size == workers[first.id].kv_block_size
+        assert prediction.tokens == 4 * 128  # whole blocks of either size: 16x32 or 4x128
+    assert "block_size_unknown" not in policy.fallbacks
+
+
+def test_a_worker_whose_block_size_is_unknown_is_not_credited_and_it_is_counted() -> None:
+    policy, _, _ = pending_policy(1)
+    workers = [worker_view(0)]  # no events stored yet, no cache_config_info scraped
+    prompt = tokens(1, 8 * BLOCK)
+    ask(policy, workers, request(prompt), {})
+    ask(policy, workers, request(prompt), {})
+    assert policy.last_decision == "miss"  # no credit: its blocks' size is not known
+    assert policy.fallbacks["block_size_unknown"] == 2

@@ -66,7 +66,19 @@ def worker_view(
         refused_models=preflight.refused_models(worker, preflight_modes or {}),
         kv_events=worker.kv_events,
         kv_events_replay=worker.kv_events_replay,
+        kv_block_size=_block_size(worker, metrics),
     )
+
+
+def _block_size(worker: Worker, metrics: dict[str, Any]) -> int | None:
+    """vllm:cache_config_info's block_size: the last scrape's, else the one last seen."""
+    cache = preflight.cache_labels(metrics) or (worker.pool_facts or {}).get("cache") or {}
+    value = cache.get("block_size")
+    try:
+        size = int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+    return size if size is not None and size > 0 else None
 
 
 _GPU_FIELDS = frozenset(f.name for f in fields(GpuView))

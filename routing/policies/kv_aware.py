@@ -8,10 +8,11 @@ index, on the request's token ids as the worker will see them (routing.tokenize)
 
 The rule (NVIDIA Dynamo's KV router cost, with our fused load as the decode term)
 --------------------------------------------------------------------------------
-For each worker ``w`` given, with ``n`` prompt tokens and ``B`` = ``block_size``:
+For each worker ``w`` given, with ``n`` prompt tokens and ``B`` = ``block_size``, the
+cost's unit (not a worker's block size):
 
     cached(w)  = prompt tokens w holds: its leading cached blocks (exact, from its KV
-                 events, in the block size its events state) times that block size
+                 events) times its own block size
     prefill(w) = (n - cached(w)) / B        the prompt blocks w would have to compute
     cost(w)    = overlap_weight * prefill(w) + load_weight * load(w)
 
@@ -54,6 +55,14 @@ remembers requests sent to workers without an exact index, so it costs nothing w
 worker has events (and a worker whose index has just turned unknown starts there with
 nothing: an under-estimate, never a false hit).
 
+Block sizes: each worker's own, never assumed. vLLM states it in every ``BlockStored``
+(the index keeps it per worker) and in ``vllm:cache_config_info`` (the probes scrape it:
+WorkerView.kv_block_size); the events' wins. vLLM on CPUs uses 128 tokens, GPU backends 16
+or more, and a fleet may mix them: each worker's blocks are matched, credited and predicted
+in its own size. A worker whose size neither source has stated yet holds nothing the index
+knows of (its first store will state it); the pending credit skips it, counted as the
+fallback reason ``block_size_unknown``.
+
 Prediction: `last_prediction` is the cached tokens the winner should report, its
 ``cached`` in whole blocks and at most ``(n - 1) // b * b`` (``b`` its block size: vLLM
 computes at least the prompt's last token), checked against the answer by
@@ -66,17 +75,17 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     favours cache reuse (time to first token); lower, an even load (inter-token latency).
     0 is shortest queue.
 ``load_weight`` (number >= 0, default 8)
-    How many prompt blocks one request in flight is worth: a worker holding 8 more blocks
-    (128 tokens at block size 16) of the prompt is worth one more request in its queue.
+    How many prompt blocks (of ``block_size`` tokens) one request in flight is worth: a
+    worker holding 128 more tokens of the prompt (at the default unit of 16) is worth one
+    more request in its queue.
     0 routes on the cache alone (the guard still spills a hot spot).
 ``balance_abs_threshold`` (number >= 0, default 32) and ``balance_rel_threshold`` (number
 >= 1, default 1.1)
     The load guard above, as prefix_aware's: set the first to about one batch of the
     workers (e.g. 8 for workers that run 8 sequences at once).
 ``block_size`` (int >= 1, default 16)
-    The block the cost counts in, and a worker's block size until its events state its
-    own (vLLM's ``--block-size``; 16 on GPUs). Set it to the workers' block size so the
-    weights above mean what they say.
+    The unit the cost counts prompt tokens in, so that the weights above keep one meaning
+    whatever the workers' block sizes (which are always their own, see "Block sizes").
 ``miss_spread`` (number >= 0, default 0)
     prefix_aware's (routing.policies.agreed_miss): a miss goes to the worker the prompt's
     middle block ranks first among those within this many requests of the least loaded, so
@@ -154,7 +163,7 @@ class _Scored:
     """One worker's numbers for one request: the prompt tokens it holds (whole blocks of
     its `size`), whether that is exact, its load and its cost."""
 
-    __slots__ = ("cached", "cost", "exact", "load", "pending", "size", "worker")
+    __slots__ = ("cached", "cost", "exact", "load", "pending", "size", "sized", "worker")
 
     def __init__(
         self, worker: WorkerView, cached: float, size: int, exact: bool, load: int, cost: float
@@ -163,6 +172,7 @@ class _Scored:
             worker, cached, size, exact, load, cost
         )  # fmt: skip
         self.pending = False  # some of its cached tokens are this router's credit
+        self.sized = True  # False: `size` is the cost's unit, the worker's own not known
 
 
 class KvAwarePolicy(BasePolicy):
@@ -230,6 +240,8 @@ class KvAwarePolicy(BasePolicy):
         rows, hashes, chains = self._score(workers, request, loads)
         if hashes is not None:  # someone was scored approximately
             self.fallbacks["unknown_index"] += 1
+        if self.pending.seconds > 0 and any(r.exact and not r.sized for r in rows):
+            self.fallbacks["block_size_unknown"] += 1  # not credited: see "Block sizes"
         decision, best = self._decide(rows, request)
         if not best.exact and hashes is not None:
             self.approximate.credit_chain(best.worker.id, hashes)
@@ -275,16 +287,18 @@ class KvAwarePolicy(BasePolicy):
         lora: LoraKey = request.model if _is_lora(workers[0], request.model) else None
         # One walk of the prompt's chain for every trusted worker (the untrusted are absent).
         next_keys: dict[int, int] = {}
-        found = {} if index is None else index.cached_blocks_all(
-            [worker.id for worker in workers], tokens, lora, self.block_size, next_keys
+        found: dict[int, tuple[int, int | None]] = {} if index is None else (
+            index.cached_blocks_all([w.id for w in workers], tokens, lora, None, next_keys)
         )  # fmt: skip
-        chains = self._chains_past_held(found, tokens, lora, next_keys)
+        sizes = {w.id: found.get(w.id, (0, None))[1] or w.kv_block_size for w in workers}
+        chains = self._chains_past_held(found, sizes, tokens, lora, next_keys)
         pending = self.pending.depths(chains, request) if chains else {}
         hashes: list[int] | None = None
-        per_block = self.overlap_weight / self.block_size  # the cost of one prompt token
+        per_token = self.overlap_weight / self.block_size  # the cost of one prompt token
         rows = []
         for worker in workers:
-            exact, size = found.get(worker.id, (None, self.block_size))
+            exact = found[worker.id][0] if worker.id in found else None
+            size = sizes[worker.id] or self.block_size  # unknown: the worker holds nothing
             if exact is None:
                 if hashes is None:
                     hashes = self.approximate.chain(request)
@@ -295,26 +309,30 @@ class KvAwarePolicy(BasePolicy):
             load = loads.get(worker.id, 0)
             row = _Scored(worker, cached + credited, size, exact is not None, load, 0.0)
             row.pending = credited > 0
-            row.cost = per_block * (n - row.cached) + self.load_weight * load
+            row.sized = sizes[worker.id] is not None
+            row.cost = per_token * (n - row.cached) + self.load_weight * load
             rows.append(row)
         return rows, hashes, chains
 
     def _chains_past_held(
         self,
-        found: Mapping[int, tuple[int, int]],
+        found: Mapping[int, tuple[int, int | None]],
+        sizes: Mapping[int, int | None],
         tokens: Sequence[int],
         lora: LoraKey,
         next_keys: Mapping[int, int],
     ) -> dict[int, LazyChain]:
-        """Per exactly indexed worker of the policy's block size, the prompt's chain from
-        the first block its events do not show, up to the credit's limit (hashed lazily)."""
+        """Per exactly indexed worker, the prompt's chain in its own block size from the
+        first block its events do not show, up to the credit's limit (hashed lazily)."""
         if self.pending.seconds <= 0:
             return {}
-        size = self.block_size
-        upto = min(len(tokens) // size, self.pending.max_request_blocks)
         chains: dict[int, LazyChain] = {}
-        for worker_id, (held, block_size) in found.items():
-            if block_size != size or held >= upto:
+        for worker_id, (held, _) in found.items():
+            size = sizes.get(worker_id)
+            if size is None:  # counted by select (explain counts nothing)
+                continue
+            upto = min(len(tokens) // size, self.pending.max_request_blocks)
+            if held >= upto:
                 continue
             key = next_keys.get(worker_id)
             if key is None:  # nothing stored yet: the walk did not ask it

@@ -23,20 +23,7 @@ Modules, in the order a request meets them:
   the router, not to a simulator; not imported here, so that ``-m`` runs it cleanly).
 * ``__main__``: ``python -m simulator --port N``, the same options as ``manage.py simulate_vllm``.
 
-Callers import from the module a name lives in; the names below are re-exported for
-convenience only.
+Callers import from the module a name lives in (``simulator.server.start_simulator``,
+``simulator.config.SimConfig``...): this package re-exports nothing, so that ``simulator.server``
+(which imports its sibling modules) and the package never import each other.
 """
-
-from simulator.config import SimConfig, add_cli_arguments, config_from_options
-from simulator.gpus import SimulatedGpus
-from simulator.server import RunningSimulator, run_simulator, start_simulator
-
-__all__ = [
-    "RunningSimulator",
-    "SimConfig",
-    "SimulatedGpus",
-    "add_cli_arguments",
-    "config_from_options",
-    "run_simulator",
-    "start_simulator",
-]

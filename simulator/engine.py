@@ -4,20 +4,23 @@
   strict FIFO order. ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` report exactly
   that, and a running request holds ``ceil((prompt + max_tokens) / block_size)`` KV blocks, which
   is what ``vllm:kv_cache_usage_perc`` reports.
-* **Prefix cache.** An LRU of chained block hashes over the prompt's token ids, the ones
-  ``/tokenize`` answers (:mod:`simulator.prefix_cache`): a block only matches when the whole
-  prefix up to it matches, and a LoRA does not share the base model's blocks. Only full blocks
-  count. ``vllm:prefix_cache_queries_total`` / ``_hits_total`` count tokens, as vLLM does; with
-  ``enable_prompt_tokens_details`` a request's ``usage`` says how many of its tokens were
-  cached. With a KV events port, every store, eviction and reset is published as vLLM's KV
-  cache events (:mod:`simulator.kv_publisher`).
+* **Prefix cache.** An LRU of physical blocks with chained hashes over the token ids, the
+  prompt's as ``/tokenize`` answers them, then the generated ones
+  (:mod:`simulator.prefix_cache`): a block only matches when the whole prefix up to it
+  matches, and a LoRA does not share the base model's blocks. Only full blocks count, and, as
+  in vLLM, the blocks that decoding fills are cached too. ``vllm:prefix_cache_queries_total`` /
+  ``_hits_total`` count tokens, as vLLM does; with ``enable_prompt_tokens_details`` a
+  request's ``usage`` says how many of its tokens were cached. With a KV events port, every
+  store, eviction and reset is published as vLLM's KV cache events
+  (:mod:`simulator.kv_publisher`).
 * **Timing.** Once admitted, a request prefills for
   ``ttft_ms + prefill_ms_per_block * uncached_blocks``, which produces its first token; every
   further token takes ``itl_ms``. With ``ttft_ms == 0`` and ``itl_ms == 0`` the simulator never
   sleeps at all, so benchmarks of tiny requests measure the HTTP path only.
 
 A client disconnect while a request waits, prefills or decodes removes it at once and records it
-in ``cancelled`` / ``cancelled_ids``. Every request except ``/metrics`` and ``/sim/*`` is logged
+in ``cancelled`` / ``cancelled_ids`` (not in ``vllm:request_success_total``: vLLM does not count
+a request its client abandoned). Every request except ``/metrics`` and ``/sim/*`` is logged
 in ``Simulator.requests`` (method, path, headers, raw body); the tests read that log.
 """
 
@@ -27,7 +30,7 @@ import asyncio
 import time
 from collections import Counter, deque
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -38,7 +41,7 @@ from simulator.hf_tokenizer import HfTokenizer
 from simulator.kv_publisher import KvEventPublisher
 from simulator.metrics import Metrics
 from simulator.prefix_cache import PrefixCache
-from simulator.tokens import token_ids
+from simulator.tokens import output_token_ids, token_ids
 from simulator.wire import ApiError
 
 __all__ = ["SIM_KEY", "Job", "Simulator"]
@@ -62,6 +65,8 @@ class Job:
     admitted: bool = False
     finished: bool = False
     produced: int = 0
+    ids: list[int] = field(default_factory=list)  # the prompt's token ids
+    hashes: list[int] = field(default_factory=list)  # its full blocks' hashes so far
 
 
 class Simulator:
@@ -160,11 +165,26 @@ class Simulator:
     # -- prefill -----------------------------------------------------------------------------
 
     def _cached_prefix_blocks(self, job: Job) -> int:
-        """Count the leading cached full blocks, then cache (or refresh) every full block."""
-        ids = token_ids(job.tokens)
-        hits, events = self.prefix_cache.lookup_and_store(job.model, job.lora, ids)
+        """Count the leading cached full blocks, then cache the prompt's other full blocks."""
+        job.ids = token_ids(job.tokens)
+        lora = job.model if job.lora else None
+        hits, job.hashes, events = self.prefix_cache.prefill(lora, job.ids)
         self._publish(events)
         return hits
+
+    def decoded(self, job: Job) -> None:
+        """Cache the blocks that decoding has filled, as vLLM does after each step. The
+        newest token's KV is not computed yet (it is fed in at the next step), hence the -1."""
+        bs = self.config.block_size
+        full = (len(job.ids) + job.produced - 1) // bs
+        if full <= len(job.hashes):
+            return
+        tokens = job.ids + output_token_ids(full * bs - len(job.ids))
+        first = len(job.hashes)
+        parent = job.hashes[-1] if job.hashes else None
+        lora = job.model if job.lora else None
+        job.hashes += self.prefix_cache.hashes(parent, tokens[first * bs : full * bs], lora)
+        self._publish(self.prefix_cache.store(lora, tokens, job.hashes, first))
 
     async def admit(self, job: Job) -> None:
         """Wait for a batch slot, then prefill; returns when the first token exists."""
@@ -220,7 +240,8 @@ class Simulator:
         if job.finished:
             return
         job.finished = True
-        self.metrics.finished["abort"] += 1
+        # No vllm:request_success_total{finished_reason="abort"}: vLLM does not count a
+        # request whose client went away (checked against vLLM 0.32).
         self.record_cancel(job.id)
 
     def record_cancel(self, request_id: str) -> None:

@@ -60,6 +60,7 @@ async def _respond_whole(sim: Simulator, job: Job, chat: bool, delay: float) -> 
         if job.max_tokens > 1 and not sim.instant and sim.config.itl_ms > 0:
             await asyncio.sleep((job.max_tokens - 1) * sim.config.itl_ms / 1000)
         job.produced = job.max_tokens
+        sim.decoded(job)
         sim.complete(job, loop.time())
     except asyncio.CancelledError:
         sim.cancel(job)
@@ -102,6 +103,7 @@ async def _decode(sim: Simulator, job: Job, resp: web.StreamResponse, frames: Ss
             await asyncio.sleep(itl)
         frame = frames.token(i) if i else frames.first()
         job.produced = i + 1
+        sim.decoded(job)
         if job.produced == job.max_tokens:
             sim.complete(job, loop.time())
         await resp.write(frame)

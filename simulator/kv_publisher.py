@@ -1,15 +1,19 @@
-"""The simulator's KV cache events, published as vLLM publishes them.
+"""The simulator's KV cache events, published as vLLM 0.32 publishes them.
 
 vLLM's ``ZmqEventPublisher`` (vllm/distributed/kv_events.py), rebuilt: a PUB socket sends
 each batch as ``(topic, 8-byte big-endian sequence number, msgpack payload)``, the numbers
 counting from 0 when the server starts; the last ``buffer_steps`` batches are kept for a
-ROUTER replay socket, which answers ``(b"", start_seq)`` from a DEALER with
-``(b"", seq, payload)`` for each buffered batch from `start_seq`, then ``(b"", -1, b"")``.
+ROUTER replay socket. A DEALER asks it with ``(b"", start_seq)``; it answers
+``(b"", topic, seq, payload)`` for each buffered batch from `start_seq`, then the end marker
+``(b"", b"", -1, b"")`` (-1 as 8 signed big-endian bytes), as captured from vLLM 0.32
+(shared/vllm-captures/replay-frames.json).
 
-The payload is msgspec's msgpack of ``KVEventBatch(ts, events, data_parallel_rank)``,
-encoded as current vLLM encodes it (maps, ``omit_defaults``, each event tagged by its class
-name in ``type``); ``legacy=True`` encodes as 2025's vLLM did (``array_like`` arrays, the
-tag first). The structs mirror vLLM's field for field.
+The payload is msgspec's msgpack of ``KVEventBatch(ts, events, data_parallel_rank)``. As in
+vLLM 0.32 the batch is ``array_like`` (a msgpack array of 3, first byte 0x93) while each event
+is a map tagged by its class name in ``"type"``, defaults left out (``omit_defaults``); the
+structs mirror vLLM's field for field and in vLLM's order, so one event encodes to the same
+bytes as vLLM's. ``legacy=True`` encodes as 2025's vLLM did (events as arrays too, the tag
+first, fewer fields).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ log = logging.getLogger(__name__)
 
 BlockHash = int | bytes
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_HWM = 100_000  # vLLM's KVEventsConfig defaults: hwm and max_queue_size
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
@@ -44,23 +49,31 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    # One entry per block: None, or the keys besides the tokens that its hash covers (the
+    # LoRA's name). vLLM 0.32 always sends it, and group_idx and kv_cache_spec_kind too.
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    # New in 0.32, left out while None (so never sent by the simulator).
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[BlockHash]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
     pass
 
 
-class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
@@ -75,6 +88,14 @@ def legacy_form(event: Any) -> list[Any]:
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", event.block_hashes, event.medium]
     return ["AllBlocksCleared"]
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """A batch's payload, byte for byte as vLLM 0.32 encodes it."""
+    return _ENCODER.encode(batch)
 
 
 class KvEventPublisher:
@@ -92,15 +113,16 @@ class KvEventPublisher:
     ) -> None:
         self.endpoint = f"tcp://{host}:{port}"
         self.replay_endpoint = f"tcp://{host}:{replay_port}" if replay_port else ""
+        self.port, self.replay_port, self.buffer_steps = port, replay_port, buffer_steps
         self.topic = topic.encode()
         self.legacy = legacy
         self._seq = count()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._encoder = msgspec.msgpack.Encoder()
+        self._encoder = _ENCODER
         self._ctx = zmq.asyncio.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.SNDHWM, 100_000)
+        self._pub.setsockopt(zmq.SNDHWM, _HWM)
         self._pub.bind(self.endpoint)
         # The same socket, driven synchronously: a PUB send never blocks (past the high
         # water mark it drops, as vLLM's does), so the engine publishes in line.
@@ -115,6 +137,22 @@ class KvEventPublisher:
         self.published = 0
         self._lose = 0
 
+    def config(self) -> dict[str, Any]:
+        """The publisher as vLLM's ``GET /kv_event_sources`` shows it (one data-parallel rank):
+        its KVEventsConfig, endpoints as given on the command line (bound on every
+        interface), not as bound here."""
+        replay = f"tcp://*:{self.replay_port}" if self.replay_port else None
+        return {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.port}",
+            "replay_endpoint": replay,
+            "buffer_steps": self.buffer_steps,
+            "hwm": _HWM,
+            "max_queue_size": _HWM,
+            "topic": self.topic.decode(),
+        }
+
     def publish(self, events: list[Any]) -> int:
         """Send one batch now; returns its sequence number."""
         seq = next(self._seq)
@@ -122,7 +160,7 @@ class KvEventPublisher:
         if self.legacy:
             payload = self._encoder.encode([batch.ts, [legacy_form(e) for e in events], 0])
         else:
-            payload = self._encoder.encode(batch)
+            payload = encode_batch(batch)
         if self._lose:
             self._lose -= 1  # buffered for replay, never sent: lost on the way
         else:
@@ -157,9 +195,9 @@ class KvEventPublisher:
             start = int.from_bytes(start_bytes, "big")
             for seq, payload in list(self._buffer):
                 if seq >= start:
-                    frames = [client, b"", seq.to_bytes(8, "big"), payload]
+                    frames = [client, b"", self.topic, seq.to_bytes(8, "big"), payload]
                     await self._replay.send_multipart(frames)
-            await self._replay.send_multipart([client, b"", END_SEQ, b""])
+            await self._replay.send_multipart([client, b"", b"", END_SEQ, b""])
 
     async def close(self) -> None:
         if self._replay_task is not None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from simulator import endpoints
+import simulator.endpoints as endpoints
 from simulator.config import SimConfig
 from simulator.engine import SIM_KEY, Simulator
 from simulator.generation import chat_completions, completions

@@ -36,11 +36,20 @@ def output_text(n: int) -> str:
     return "".join(_WORDS[i % len(_WORDS)] + " " for i in range(n))
 
 
+def output_token_ids(n: int) -> list[int]:
+    """The ids of the first n generated tokens (the filler words), for the blocks decoding
+    fills: the same on every engine, as a model's answer to the same prompt would be."""
+    return [_OUTPUT_IDS[i % len(_OUTPUT_IDS)] for i in range(n)]
+
+
 def token_id(word: str) -> int:
     tid = zlib.crc32(word.encode()) % (_VOCAB_SIZE - 1) + 1
     if len(_seen) < _SEEN_CAP:
         _seen.setdefault(tid, word)
     return tid
+
+
+_OUTPUT_IDS = tuple(zlib.crc32(w.encode()) % (_VOCAB_SIZE - 1) + 1 for w in _WORDS)
 
 
 def token_ids(words: Iterable[Hashable]) -> list[int]:

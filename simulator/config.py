@@ -23,6 +23,8 @@ class SimConfig:
     cache_blocks: int = 1024
     block_size: int = 16
     max_model_len: int = 4096
+    # vLLM's --max-loras, vllm:lora_requests_info's max_lora (0: as many as `loras`, >= 1).
+    max_loras: int = 0
     default_max_tokens: int = 16
     # Fault injection, for rollout gates and chaos tests: this fraction of generation
     # requests is answered with vLLM's 500 error; /sim/control changes it and
@@ -62,6 +64,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-blocks", type=int, default=d.cache_blocks)
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--max-loras", type=int, default=d.max_loras, help="vLLM's --max-loras")
     parser.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
     parser.add_argument(
         "--fail-ratio", type=float, default=d.fail_ratio, help="fraction answered with 500"
@@ -107,6 +110,7 @@ def config_from_options(options: dict[str, Any]) -> SimConfig:
         cache_blocks=options["cache_blocks"],
         block_size=options["block_size"],
         max_model_len=options["max_model_len"],
+        max_loras=options.get("max_loras") or 0,
         default_max_tokens=options["default_max_tokens"],
         fail_ratio=options.get("fail_ratio", 0.0),
         gpus=options.get("gpus", SimConfig.gpus),

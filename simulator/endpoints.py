@@ -1,5 +1,6 @@
 """Every endpoint but generation: embeddings, ``/tokenize``, ``/detokenize``, ``/v1/models``,
-LoRA load and unload, ``/health``, ``/ping``, ``/version``, ``/load``, the Prometheus
+LoRA load and unload, ``/health``, ``/ping``, ``/version``, ``/load`` (always there, as in vLLM
+0.32), ``/kv_event_sources``, the Prometheus
 ``/metrics`` and the DCGM exporter's ``/dcgm-metrics``, and the test hooks ``/sim/stats``,
 ``/sim/reset`` and ``/sim/control`` (health, fault injection, a slower TTFT, GPU faults).
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -121,32 +123,54 @@ async def detokenize(sim: Simulator, request: web.Request, body: bytes) -> web.S
     return json_response({"prompt": text})
 
 
+def _model_card(sim: Simulator, name: str, parent: str | None) -> dict[str, Any]:
+    """One /v1/models entry as vLLM writes it: an adapter's root is its path, its parent the
+    base model, and its max_model_len null; the base model's root is its --model."""
+    now = int(time.time())
+    permission = {
+        "id": f"modelperm-{os.urandom(16).hex()}",
+        "object": "model_permission",
+        "created": now,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    return {
+        "id": name,
+        "object": "model",
+        "created": now,
+        "owned_by": "vllm",
+        "root": name if parent is None else sim.lora_paths.get(name, name),
+        "parent": parent,
+        "max_model_len": sim.config.max_model_len if parent is None else None,
+        "permission": [permission],
+    }
+
+
 @_api
 async def models(sim: Simulator, request: web.Request, body: bytes) -> web.StreamResponse:
-    data: list[dict[str, Any]] = [
-        {
-            "id": name,
-            "object": "model",
-            "created": sim.created,
-            "owned_by": "vllm",
-            "root": name,
-            "parent": parent,
-            "max_model_len": sim.config.max_model_len,
-            "permission": [],
-        }
-        for name, parent in sim.models.items()
-    ]
+    data = [_model_card(sim, name, parent) for name, parent in sim.models.items()]
     return json_response({"object": "list", "data": data})
 
 
 @_api
 async def load_lora(sim: Simulator, request: web.Request, body: bytes) -> web.StreamResponse:
-    name = parse_body(body).get("lora_name")
+    data = parse_body(body)
+    name, path = data.get("lora_name"), data.get("lora_path")
     if not isinstance(name, str) or not name:
-        raise ApiError(400, "`lora_name` is required.", "lora_name")
+        raise ApiError(400, "`lora_name` is required.", "lora_name", "InvalidUserInput")
     if name in sim.models:
-        raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        raise ApiError(
+            400, f"The lora adapter '{name}' has already been loaded.", None, "InvalidUserInput"
+        )
     sim.models[name] = sim.config.model
+    sim.lora_paths[name] = path if isinstance(path, str) and path else name
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -154,8 +178,9 @@ async def load_lora(sim: Simulator, request: web.Request, body: bytes) -> web.St
 async def unload_lora(sim: Simulator, request: web.Request, body: bytes) -> web.StreamResponse:
     name = parse_body(body).get("lora_name")
     if not isinstance(name, str) or name == sim.config.model or name not in sim.models:
-        raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+        raise ApiError(404, f"The lora adapter '{name}' cannot be found.", None)
     del sim.models[name]
+    sim.lora_paths.pop(name, None)
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
@@ -177,6 +202,14 @@ async def version(sim: Simulator, request: web.Request, body: bytes) -> web.Stre
 @_api
 async def load(sim: Simulator, request: web.Request, body: bytes) -> web.StreamResponse:
     return json_response({"server_load": sim.running + sim.waiting})
+
+
+@_api
+async def kv_event_sources(sim: Simulator, request: web.Request, body: bytes) -> web.StreamResponse:
+    # vLLM 0.32's: the KV events config of each data-parallel rank. Without events the
+    # simulator answers {} (what vLLM answers then is not recorded in the captures).
+    kv = sim.kv_events
+    return json_response({"0": kv.config()} if kv is not None else {})
 
 
 @_api

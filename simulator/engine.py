@@ -78,6 +78,8 @@ class Simulator:
         self.instant = config.ttft_ms == 0 and config.itl_ms == 0
         self.models: dict[str, str | None] = {config.model: None}
         self.models.update({name: config.model for name in config.loras})
+        # /v1/models' root of each adapter: its lora_path (the name, for those given at start).
+        self.lora_paths: dict[str, str] = {name: name for name in config.loras}
         self.healthy = True
         self.fail_ratio = config.fail_ratio
         self.fail_status = 500
@@ -107,6 +109,15 @@ class Simulator:
         self.requests: deque[dict[str, Any]] = deque(maxlen=200)
         self.metrics = Metrics()
         self.reset_prefix_cache()
+
+    def note_lora_state(self) -> None:
+        """vllm:lora_requests_info's series for the adapters running and waiting now, set to
+        the time, as vLLM sets it at every engine step (so a pair seen once stays a series)."""
+        if len(self.models) == 1 and not self.metrics.lora_seen:
+            return
+        running = ",".join(sorted(k for k, v in self.lora_running.items() if v > 0))
+        waiting = ",".join(sorted(k for k, v in self.lora_waiting.items() if v > 0))
+        self.metrics.lora_seen[(running, waiting)] = time.time()
 
     def reset_prefix_cache(self) -> None:
         self._publish(self.prefix_cache.clear())
@@ -192,6 +203,7 @@ class Simulator:
         job.t0 = loop.time()
         if job.lora:
             self.lora_waiting[job.model] += 1
+            self.note_lora_state()
         try:
             await self._acquire()
         finally:
@@ -201,6 +213,7 @@ class Simulator:
         self.held_blocks += job.blocks
         if job.lora:
             self.lora_running[job.model] += 1
+            self.note_lora_state()
         now = loop.time()
         self.metrics.queue.observe(now - job.t0)
         await self._prefill(job)
@@ -261,6 +274,7 @@ class Simulator:
         self.held_blocks -= job.blocks
         if job.lora:
             self.lora_running[job.model] -= 1
+            self.note_lora_state()
         self._release_slot()
 
     # -- views -------------------------------------------------------------------------------
@@ -269,7 +283,11 @@ class Simulator:
         if name is None:
             return self.config.model
         if name not in self.models:
-            raise ApiError(404, f"The model `{name}` does not exist.", "model")
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist. Valid aliases: {self.config.model}.",
+                "model",
+            )
         return str(name)
 
     def kv_usage(self) -> float:

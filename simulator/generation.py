@@ -32,23 +32,39 @@ def _make_job(sim: Simulator, request: web.Request, data: dict[str, Any], chat: 
     else:
         raw_max = data.get("max_tokens")
     max_tokens = parse_max_tokens(raw_max, cfg.default_max_tokens)
-    if len(tokens) + max_tokens > cfg.max_model_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
-            f"requested {len(tokens) + max_tokens} tokens ({len(tokens)} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion.",
-        )
+    _check_length(len(tokens), max_tokens, cfg.max_model_len)
     stream = bool(data.get("stream", False))
     options = data.get("stream_options")
     if options is not None and not stream:
-        raise ApiError(400, "Stream options can only be defined when `stream=True`.")
+        raise ApiError(
+            400, "Stream options can only be defined when `stream=True`.", "stream_options"
+        )
     include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
     blocks = -(-(len(tokens) + max_tokens) // cfg.block_size)
     rid = request_id(request, "chatcmpl" if chat else "cmpl")
     lora = model != cfg.model
     return Job(rid, model, lora, tokens, max_tokens, stream, include_usage, blocks)
+
+
+def _check_length(n: int, max_tokens: int, limit: int) -> None:
+    """vLLM 0.32's two length errors: the prompt alone too long (it stops counting one token
+    past the limit, hence "at least"), or no room left for max_tokens."""
+    if n > limit:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"contains at least {min(n, limit + 1)} input tokens. Please reduce the length of "
+            "the input prompt.",
+            "input_tokens",
+        )
+    if max_tokens > limit - n:
+        raise ApiError(
+            400,
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+            f"maximum context length is {limit} tokens and your request has {n} input tokens "
+            f"({max_tokens} > {limit} - {n}).",
+            "max_tokens",
+        )
 
 
 async def _respond_whole(sim: Simulator, job: Job, chat: bool, delay: float) -> web.Response:

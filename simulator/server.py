@@ -73,6 +73,7 @@ def _add_routes(router: web.UrlDispatcher) -> None:
     router.add_post("/ping", endpoints.ping)
     router.add_get("/version", endpoints.version)
     router.add_get("/load", endpoints.load)
+    router.add_get("/kv_event_sources", endpoints.kv_event_sources)
     router.add_get("/metrics", endpoints.metrics)
     router.add_get("/dcgm-metrics", endpoints.dcgm_metrics)
     router.add_get("/sim/stats", endpoints.sim_stats)

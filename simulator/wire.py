@@ -3,25 +3,31 @@ request ids built from ``X-Request-Id``, and the ``X-Sim-Delay-Ms`` test hook.""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+# vLLM names an error's type after its exception class, by status unless told otherwise.
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+
 
 class ApiError(Exception):
     """A client error, answered in vLLM's OpenAI error format."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, err_type: str = ""
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.err_type = err_type or _TYPES.get(status, "Error")
 
     def response(self) -> web.Response:
-        err_type = {400: "BadRequestError", 404: "NotFoundError"}.get(self.status, "Error")
-        return error_response(self.status, self.message, err_type, self.param)
+        return error_response(self.status, self.message, self.err_type, self.param)
 
 
 def error_response(
@@ -38,8 +44,15 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 def parse_body(body: bytes) -> dict[str, Any]:
     try:
         data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"JSON decode error: {exc}") from None
+    except orjson.JSONDecodeError:
+        # vLLM (FastAPI) answers malformed JSON with its validation error: type "Bad
+        # Request", param "body.<offset of the error>", the offset Python's json module finds.
+        try:
+            json.loads(body)
+            pos = 0  # orjson refused what json accepts (NaN, lone surrogates...)
+        except ValueError as exc:
+            pos = exc.pos if isinstance(exc, json.JSONDecodeError) else 0
+        raise ApiError(400, "JSON decode error", f"body.{pos}", "Bad Request") from None
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     return data

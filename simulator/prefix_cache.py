@@ -54,7 +54,12 @@ class PrefixCache:
         self._lora_ids: dict[str, int] = {}  # vLLM numbers adapters from 1 as it loads them
 
     def __len__(self) -> int:
-        """Physical blocks cached (two blocks with the same hash count twice, as in vLLM)."""
+        """Distinct hashes cached: what an index built from the events can know."""
+        return len(self._by_hash)
+
+    @property
+    def physical_blocks(self) -> int:
+        """Blocks cached, two with the same hash counting twice (as vLLM holds them)."""
         return len(self._lru)
 
     def __contains__(self, h: object) -> bool:

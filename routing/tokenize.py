@@ -4,7 +4,8 @@ vLLM matches its prefix cache on token ids, block by block, so a router that wan
 exactly what a worker holds must route on the same ids. Two ways to get them, in order:
 
 * **A local tokenizer** (preferred: no extra hop). A served model's ``tokenizer`` is a local
-  folder holding a Hugging Face ``tokenizer.json`` and ``tokenizer_config.json``. The
+  folder holding a Hugging Face ``tokenizer.json`` and ``tokenizer_config.json``, its chat
+  template in ``chat_template.jinja`` or the config (routing.chat_template finds it). The
   tokenizer is loaded with the `tokenizers` library, off the request path (on a thread, when
   a snapshot names a folder not loaded yet), and cached per folder. Chat requests are
   rendered with the folder's chat template the way transformers' ``apply_chat_template``
@@ -42,7 +43,6 @@ import logging
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 from functools import partial
 from pathlib import Path
 from time import perf_counter
@@ -51,12 +51,11 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson
 from jinja2 import TemplateError
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from tokenizers import Tokenizer
 
+from routing.chat_template import compile_chat_template, find_chat_template
 from routing.metrics import PlainHistogram
 from routing.policies.load import least_loaded
 from routing.snapshot import ModelRoute, Snapshot, WorkerView
@@ -75,6 +74,7 @@ INLINE_CHARS = 8192
 SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+NO_TEMPLATE = "loaded, no chat template (chat is tokenized by the worker)"
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                    "mask_token")  # fmt: skip
 # Chat keys the worker's /tokenize takes as the chat endpoint does.
@@ -112,8 +112,12 @@ class LocalTokenizer:
         extra = config.get("additional_special_tokens")
         if isinstance(extra, list):
             self.specials["additional_special_tokens"] = [_token_text(t) for t in extra]
-        source = _template_source(config.get("chat_template"))
-        self.template: Template | None = _compile(source) if source else None
+        found = find_chat_template(path, config)
+        self.template: Template | None = None
+        self.template_origin: str | None = None  # the file it came from, for /health
+        if found is not None and found.source:
+            self.template = compile_chat_template(found.source)
+            self.template_origin = found.origin
 
     def chat(self, body: Mapping[str, Any]) -> list[int] | None:
         """A chat request's ids, or None when they cannot be made exactly here."""
@@ -215,8 +219,12 @@ class RequestTokens:
             self._by_folder[folder] = result
 
     def status(self) -> dict[str, str]:
-        """Each folder: "loaded", "loading", or why it could not be loaded."""
-        state = dict.fromkeys(self._by_folder, "loaded")
+        """Each folder: "loaded", "loading", or why it could not be loaded. A folder without
+        a chat template says so: it tokenizes prompts only, and chat takes the worker's hop."""
+        state = {
+            folder: "loaded" if local.template is not None else NO_TEMPLATE
+            for folder, local in self._by_folder.items()
+        }
         state.update(dict.fromkeys(self._loading, "loading"))
         state.update(self.load_errors)
         return state
@@ -420,40 +428,6 @@ def _read_config(path: Path) -> dict[str, Any]:
 def _token_text(value: Any) -> Any:
     """A special token as the template sees it: AddedToken dicts give their content."""
     return value.get("content", "") if isinstance(value, dict) else value
-
-
-def _template_source(value: Any) -> str | None:
-    """tokenizer_config.json's chat_template: a string, or a list of named templates of
-    which transformers renders the one named "default"."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        default = named.get("default")
-        return default if isinstance(default, str) else None
-    return None
-
-
-def _compile(source: str) -> Template:
-    """The template as transformers compiles it (its _compile_jinja_template)."""
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:  # fmt: skip
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)  # fmt: skip
-
-    def strftime_now(format: str) -> str:
-        return datetime.now().strftime(format)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])  # fmt: skip
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
 
 
 def _plain_messages(messages: Any) -> list[dict[str, Any]] | None:

@@ -6,6 +6,8 @@ from the simulators' request counts, never from the code under test."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -328,6 +330,41 @@ def test_a_local_tokenizer_that_agrees_with_the_engine_routes_exactly_without_a_
     assert decisions(router, model, "kv") >= 4
     wait_until(lambda: checked(router, model, "kv_aware") == (count + 4, within + 4))
     assert metric(router, tokenized, model=model, outcome="worker") == hops  # no hop since
+
+
+def test_a_template_in_chat_template_jinja_tokenizes_chat_here_with_no_hop(
+    router: RouterServer, simulator: StartSimulator, client: openai.OpenAI, tmp_path: Path
+) -> None:
+    """The router's folder keeps its template in chat_template.jinja, as current Hugging Face
+    folders do; the engines get the same tokenizer with the template in its config (the
+    simulator reads that layout). Once /health says the folder is loaded with its template,
+    no chat request costs a /tokenize hop: none reaches any worker, and the router counts
+    every one as tokenized here."""
+    model = "kv-jinja"
+    folder = make_tokenizer_folder(tmp_path / "router", template_in="jinja")
+    assert not config_of(folder).get("chat_template")
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    shutil.copy(folder / "tokenizer.json", engine / "tokenizer.json")
+    config = config_of(folder) | {"chat_template": (folder / "chat_template.jinja").read_text()}
+    (engine / "tokenizer_config.json").write_text(json.dumps(config))
+    sims, _ = kv_fleet(router, simulator, model, 2, tokenizer=str(engine))
+    assert patch_tokenizer(router, model, str(folder)).status_code == 200
+    use_kv_aware(router, model)
+    wait_until(lambda: router.get("/health").json()["tokenizers"] == {str(folder): "loaded"})
+    tokenized = "controlpanel_router_tokenize_requests_total"
+    before = metric(router, tokenized, model=model, outcome="local")
+    for turn in range(1, 5):
+        reported, prompt = usage(client, model, conversation(turn))
+        assert prompt > 0 and (turn == 1 or reported > 0)  # the engine saw the same ids
+    assert [sim.state.by_path["/tokenize"] for sim in sims] == [0, 0]
+    assert metric(router, tokenized, model=model, outcome="worker") == 0
+    assert metric(router, tokenized, model=model, outcome="local") == before + 4
+
+
+def config_of(folder: Path) -> dict[str, Any]:
+    config: dict[str, Any] = orjson.loads((folder / "tokenizer_config.json").read_bytes())
+    return config
 
 
 def test_a_tokenizer_folder_is_checked_when_it_is_set(

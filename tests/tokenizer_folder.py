@@ -31,8 +31,13 @@ CORPUS = [
 ]
 
 
-def make_tokenizer_folder(folder: Path, *, chat_template: str | None = CHAT_TEMPLATE) -> Path:
-    """Train a small BPE tokenizer and save it as a Hugging Face folder; returns `folder`."""
+def make_tokenizer_folder(
+    folder: Path, *, chat_template: str | None = CHAT_TEMPLATE, template_in: str = "config"
+) -> Path:
+    """Train a small BPE tokenizer and save it as a Hugging Face folder; returns `folder`.
+    The chat template goes where `template_in` says: "config" (tokenizer_config.json's
+    field, the old layout), "jinja" (chat_template.jinja, what transformers writes now) or
+    "json" (chat_template.json, the processors' legacy file)."""
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
@@ -50,8 +55,15 @@ def make_tokenizer_folder(folder: Path, *, chat_template: str | None = CHAT_TEMP
         "unk_token": "<unk>",
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
-    if chat_template is not None:
+    if chat_template is not None and template_in == "config":
         config["chat_template"] = chat_template
+    elif chat_template is not None and template_in == "jinja":
+        (folder / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+    elif chat_template is not None and template_in == "json":
+        text = json.dumps({"chat_template": chat_template})
+        (folder / "chat_template.json").write_text(text, encoding="utf-8")
+    elif chat_template is not None:
+        raise ValueError(f"template_in: config, jinja or json, not {template_in!r}")
     (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     return folder
 

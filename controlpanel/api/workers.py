@@ -88,9 +88,10 @@ class WorkerIn(StrictIn):
     dcgm_url: str = Field(default="", max_length=MAX_URL)
     # The key the vLLM server was started with (--api-key); sent upstream, never shown.
     api_key: str = Field(default="", max_length=512)
-    # vLLM's KV cache events (--kv-events-config), as routers reach them: tcp://host:port
-    kv_events: str = Field(default="", max_length=512)
-    kv_events_replay: str = Field(default="", max_length=512)
+    # vLLM's KV cache events (--kv-events-config), as routers reach them: tcp://host:port.
+    # Left out (or null): read from the worker's GET /kv_event_sources; "": none.
+    kv_events: str | None = Field(default=None, max_length=512)
+    kv_events_replay: str | None = Field(default=None, max_length=512)
 
 
 class WorkerPatch(StrictIn):

@@ -184,8 +184,9 @@ def worker_add(request: HttpRequest) -> HttpResponse:
     kv_events = request.POST.get("kv_events", "").strip()
     try:
         worker = services.worker_add(
-            url=url, name=name, dcgm_url=dcgm_url, api_key=api_key, kv_events=kv_events,
-            actor=request_actor(request),
+            url=url, name=name, dcgm_url=dcgm_url, api_key=api_key,
+            # left blank: read from the worker (vLLM's /kv_event_sources), as the API does
+            kv_events=kv_events or None, actor=request_actor(request),
         )  # fmt: skip
     except errors.ServiceError as exc:
         messages.error(request, f"Could not add {url}: {exc}")
@@ -194,7 +195,8 @@ def worker_add(request: HttpRequest) -> HttpResponse:
         request.session["add_worker_form"] = typed
     else:
         found = ", ".join(worker.model_ids)
-        messages.success(request, f"Added {worker.name}, serving {found}.")
+        kv = f" KV events: {worker.kv_events}." if worker.kv_events else ""
+        messages.success(request, f"Added {worker.name}, serving {found}.{kv}")
     return redirect("fleet")
 
 

@@ -8,7 +8,8 @@ Each heartbeat also carries this machine's GPU readings from NVML (controlpanel.
 there is NVML to read; without it the agent logs "no GPU" once and sends no GPU block. A
 `dcgm_url` given at start is registered as the worker's DCGM exporter for the probes, and
 `kv_events` (with `kv_events_replay`) as the server's KV cache events endpoints, which every
-router subscribes to.
+router subscribes to. Without `kv_events` the controller reads them from the server (vLLM's
+GET /kv_event_sources) when it first registers; "" registers none.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class Agent:
         dcgm_url: str = "",
         nvml: NvmlReader | None = None,
         vllm_api_key: str = "",
-        kv_events: str = "",
+        kv_events: str | None = None,
         kv_events_replay: str = "",
     ) -> None:
         self.controller = controller.rstrip("/")
@@ -94,7 +95,7 @@ class Agent:
             payload["dcgm_url"] = self.dcgm_url
         if self.vllm_api_key:
             payload["api_key"] = self.vllm_api_key
-        if self.kv_events:
+        if self.kv_events is not None:  # None: the controller asks the server
             payload["kv_events"] = self.kv_events
             payload["kv_events_replay"] = self.kv_events_replay
         response = self.http.post(f"{self.controller}/api/workers/register", json=payload)

@@ -1,7 +1,9 @@
-"""Discovery over HTTP: what a server says it serves, from vLLM's own /v1/models."""
+"""Discovery over HTTP: what a server says it serves, from vLLM's own /v1/models, and
+where it publishes its KV cache events, from its GET /kv_event_sources."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -9,9 +11,12 @@ import httpx
 from django.conf import settings
 
 from controlpanel.fleet.errors import NotAVllmServer, RequestLoop, WorkerUnreachable
+from controlpanel.fleet.kv_endpoints import KvSources, kv_endpoints, kv_sources_from
 from controlpanel.fleet.probes import worker_auth
 from controlpanel.registry.models import RoutingGeneration, ServedModel
 from routing.listings import DEPLOYMENT_HEADER
+
+log = logging.getLogger(__name__)
 
 MAX_MODEL_NAME = ServedModel._meta.get_field("name").max_length or 300
 
@@ -37,6 +42,49 @@ def discover_models(*, url: str, api_key: str = "") -> list[dict[str, Any]]:
         return parse_model_list(response.json())
     except (ValueError, TypeError, KeyError) as exc:
         raise NotAVllmServer(f"{endpoint} did not return an OpenAI model list: {exc}") from exc
+
+
+def discover_kv_events(*, url: str, api_key: str = "") -> KvSources:
+    """The worker's KV events endpoints from vLLM's GET /kv_event_sources (0.32 and later).
+    Never fails: an older vLLM (404) or an answer that is not JSON gives no endpoints
+    quietly, a server that cannot be reached now gives none with a note, and the worker is
+    added without them as before."""
+    endpoint = f"{url}/kv_event_sources"
+    try:
+        response = httpx.get(
+            endpoint, headers=worker_auth(api_key), timeout=settings.CONTROLPANEL_DISCOVERY_TIMEOUT
+        )
+    except httpx.HTTPError as exc:
+        log.info("cannot read %s: %s", endpoint, exc)
+        return KvSources(note=f"KV events not discovered: cannot reach {endpoint}")
+    if response.status_code != 200:  # an older vLLM: no such route, and no events to use
+        log.info("%s answered %s: no KV events discovered", endpoint, response.status_code)
+        return KvSources()
+    try:
+        payload = response.json()
+    except ValueError:
+        log.info("%s did not answer JSON: no KV events discovered", endpoint)
+        return KvSources()
+    found = kv_sources_from(payload, worker_url=url)
+    log.info("%s: %s", url, found.note or "the worker publishes no KV events")
+    return found
+
+
+def kv_endpoints_settled(
+    given: tuple[str | None, str | None], *, url: str, api_key: str
+) -> tuple[str, str, str]:
+    """(stream, replay, a note for the worker's event) from what was given
+    (kv_endpoints.kv_endpoints_given), the rest read from the worker."""
+    stream, replay = given
+    if stream is not None:
+        return stream, replay or "", ""
+    found = discover_kv_events(url=url, api_key=api_key)
+    note = f"; {found.note}" if found.note else ""
+    if replay is None:
+        return found.kv_events, found.kv_events_replay, note
+    # a replay endpoint given (or "" for none) wins; one given needs a stream to replay
+    stream, replay = kv_endpoints(found.kv_events, replay)
+    return stream, replay, note
 
 
 def refuse_request_loop(url: str, deployment: str | None) -> None:

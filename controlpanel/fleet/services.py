@@ -15,7 +15,12 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlpanel.fleet import gpu, gpu_health, preflight
-from controlpanel.fleet.discovery import discover_models, model_keys, models_from_agent
+from controlpanel.fleet.discovery import (
+    discover_models,
+    kv_endpoints_settled,
+    model_keys,
+    models_from_agent,
+)
 from controlpanel.fleet.errors import (
     InvalidWeight,
     InvalidWorkerKey,
@@ -23,7 +28,7 @@ from controlpanel.fleet.errors import (
     LastRoutableWorker,
     WorkerAlreadyExists,
 )
-from controlpanel.fleet.kv_endpoints import kv_endpoints
+from controlpanel.fleet.kv_endpoints import kv_endpoints, kv_endpoints_given
 from controlpanel.fleet.selectors import worker_inflight, worker_sole_models
 from controlpanel.fleet.served_models import served_models_ensure
 from controlpanel.registry.events import event_record, event_record_change, masked
@@ -69,20 +74,25 @@ def worker_add(
     name: str = "",
     dcgm_url: str = "",
     api_key: str = "",
-    kv_events: str = "",
-    kv_events_replay: str = "",
+    kv_events: str | None = None,
+    kv_events_replay: str | None = None,
     actor: str,
 ) -> Worker:
     """An operator adds a server by URL; its models are discovered, never typed in.
     `api_key` is the key the server requires (vLLM's --api-key), if any; `kv_events` and
-    `kv_events_replay` its KV cache events endpoints, which every router subscribes to."""
+    `kv_events_replay` its KV cache events endpoints, which every router subscribes to:
+    None (not given) reads them from the server (vLLM's GET /kv_event_sources), "" keeps
+    them off, an endpoint given wins over what the server says."""
     normalized = _normalized(url)
     dcgm_url = _dcgm_url(dcgm_url)
     api_key = _api_key(api_key)
-    kv_events, kv_events_replay = kv_endpoints(kv_events, kv_events_replay)
+    given = kv_endpoints_given(kv_events, kv_events_replay)  # checked before any call goes out
     if Worker.objects.filter(url=normalized).exists():
         raise WorkerAlreadyExists(f"a worker with URL {normalized} is already registered")
     entries = discover_models(url=normalized, api_key=api_key)
+    kv_events, kv_events_replay, kv_note = kv_endpoints_settled(
+        given, url=normalized, api_key=api_key
+    )
     with transaction.atomic():
         worker = Worker.objects.create(
             url=normalized,
@@ -98,7 +108,8 @@ def worker_add(
         event_record(
             kind=EventKind.WORKER_JOINED,
             worker=worker,
-            message=f"added with models {', '.join(worker.model_ids)}{_key_note(worker)}",
+            message=f"added with models {', '.join(worker.model_ids)}{_key_note(worker)}"
+            f"{kv_note}",
             actor=actor,
             data={"before": {},
                   "after": masked({**worker_settings(worker), "api_key": worker.api_key})},
@@ -122,16 +133,27 @@ def worker_register(
     """Idempotent by URL: an agent calls it at start and again whenever the controller has
     forgotten it, and each call leaves one up-to-date row. `dcgm_url`, `api_key` and
     `kv_events` None leave the worker's DCGM exporter, key and KV events endpoints as they
-    were (an operator may have set them)."""
+    were (an operator may have set them); a first registration without `kv_events` reads
+    them from the server, as worker_add does ("" keeps them off)."""
     normalized = _normalized(url)
-    kv = None if kv_events is None else kv_endpoints(kv_events, kv_events_replay or "")
+    given = kv_endpoints_given(kv_events, kv_events_replay)
     exporter = None if dcgm_url is None else _dcgm_url(dcgm_url)
     key = None if api_key is None else _api_key(api_key)
+    row_key = Worker.objects.filter(url=normalized).values_list("api_key", flat=True).first()
     if key is None:
-        key = Worker.objects.filter(url=normalized).values_list("api_key", flat=True).first()
+        key = row_key
     entries = (
         models_from_agent(models) if models else discover_models(url=normalized, api_key=key or "")
     )
+    # None leaves a known row's endpoints as they are (an operator may have set them, or
+    # cleared them on purpose); a new row without endpoints given reads the server's.
+    kv: tuple[str, str] | None = None
+    kv_note = ""
+    if given[0] is not None:
+        kv = (given[0], given[1] or "")
+    elif row_key is None:
+        stream, replay, kv_note = kv_endpoints_settled(given, url=normalized, api_key=key or "")
+        kv = (stream, replay)
     now = timezone.now()
     with transaction.atomic():
         worker, created = Worker.objects.select_for_update().get_or_create(
@@ -151,7 +173,8 @@ def worker_register(
             event_record(
                 kind=EventKind.WORKER_JOINED,
                 worker=worker,
-                message=f"registered with models {', '.join(worker.model_ids)}{_key_note(worker)}",
+                message=f"registered with models {', '.join(worker.model_ids)}"
+                f"{_key_note(worker)}{kv_note}",
                 actor=actor,
             )
         else:

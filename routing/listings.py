@@ -131,6 +131,7 @@ def worker_listing(
             "kv_cache_usage": w.kv_cache_usage,
             "prefix_hit_rate": w.prefix_hit_rate,
             "metrics_age_s": _rounded(w.metrics_age),
+            "kv_block_size": w.kv_block_size,  # vllm:cache_config_info's (None: not read)
             "kv_events": kv_events(w.id),
             **load(w.id),
         }

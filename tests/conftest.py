@@ -32,6 +32,10 @@ from simulator.config import SimConfig
 from simulator.server import RunningSimulator, start_simulator
 
 ROOT = Path(__file__).resolve().parent.parent
+# The real-vLLM tier (tests/realvllm) starts real vLLM servers: collected only when asked
+# for (make test-real-vllm, .ci/run), where nothing in it may skip.
+REAL_VLLM = os.environ.get("CONTROLPANEL_REAL_VLLM") == "1"
+collect_ignore_glob = [] if REAL_VLLM else ["realvllm/*"]
 ADMIN_HEADERS = {"Authorization": f"Bearer {settings.CONTROLPANEL_ADMIN_TOKEN}"}
 AGENT_HEADERS = {"Authorization": f"Bearer {settings.CONTROLPANEL_WORKER_TOKEN}"}
 

@@ -17,7 +17,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlpanel.fleet import served_models, services
+from controlpanel.fleet import health, served_models, services
 from controlpanel.registry.models import Worker
 from simulator.server import RunningSimulator
 from tests.conftest import ADMIN_HEADERS, RouterServer, StartSimulator, free_ports, wait_until
@@ -61,6 +61,7 @@ def kv_fleet(
         )  # fmt: skip
         sims.append(sim)
         workers.append(worker)
+    health.workers_probe()  # as Celery would: vllm:cache_config_info states the block size
     router.wait_routable(*workers)
     for worker in workers if events else ():
         wait_until(

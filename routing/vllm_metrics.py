@@ -43,6 +43,14 @@ MAX_SAMPLES_PER_WORKER = 1000
 WORKER_LABEL = "worker"
 _CLASHING_LABEL = "exported_worker"
 
+# prometheus_client's creation time of every counter and histogram, which vLLM exports as
+# gauge families of their own (44 per engine in 0.32): a time, not a reading, left out.
+CREATED = "_created"
+# Info gauges whose value is the time their labels were set: vLLM adds a series each time
+# the labels change (lora_requests_info: each set of running and waiting adapters) and never
+# removes the old ones, so only the latest (the highest value) says how things are now.
+LATEST_ONLY = frozenset({"vllm:lora_requests_info"})
+
 # family name -> [type, help, [[sample name, labels, value], ...]], JSON as stored.
 KeptSeries = dict[str, list[Any]]
 
@@ -53,13 +61,15 @@ def kept_series(families: Iterable[Metric]) -> KeptSeries:
     kept: KeptSeries = {}
     room = MAX_SAMPLES_PER_WORKER
     for family in sorted(families, key=lambda f: f.name):
-        if not family.name.startswith(PREFIX):
+        if not family.name.startswith(PREFIX) or family.name.endswith(CREATED):
             continue
         samples = [
             [s.name, dict(s.labels), float(s.value)]
             for s in family.samples
-            if _finite(float(s.value))
+            if _finite(float(s.value)) and not s.name.endswith(CREATED)
         ]
+        if family.name in LATEST_ONLY and samples:
+            samples = [max(samples, key=lambda sample: sample[2])]
         if not samples or len(samples) > room:
             continue
         room -= len(samples)

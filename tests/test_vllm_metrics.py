@@ -3,6 +3,7 @@ scraped from simulated vLLM workers by the real probe, read by the real router (
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +17,7 @@ from routing.vllm_metrics import MAX_SAMPLES_PER_WORKER, SERIES_KEY, kept_series
 from tests.conftest import AddWorker, RouterServer, StartSimulator, wait_until
 
 Families = dict[str, Any]
+CAPTURES = Path(__file__).parent / "data" / "vllm-captures"
 
 
 def families(text: str) -> Families:
@@ -49,15 +51,21 @@ def test_vllm_series_are_re_exported_with_a_worker_label(
 
     found = wait_until(scraped)
     direct = families(httpx.get(sims[0].url + "/metrics").text)
-    # Every vLLM family the worker exports is there, with the same type and samples.
-    vllm_names = {name for name in direct if name.startswith("vllm:")}
+    # Every vLLM family the worker exports is there, with the same type and samples, bar the
+    # creation times (routing.vllm_metrics.CREATED).
+    vllm_names = {n for n in direct if n.startswith("vllm:") and not n.endswith("_created")}
+    assert not [n for n in found if n.endswith("_created")]
     assert {"vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds",
             "vllm:inter_token_latency_seconds", "vllm:prompt_tokens",
             "vllm:generation_tokens"} <= vllm_names  # fmt: skip
     for name in vllm_names:
         assert found[name].type == direct[name].type, name
         mine = samples_of(found, name, "gpu-1")
-        theirs = {s.name + str(sorted(s.labels.items())): s.value for s in direct[name].samples}
+        theirs = {
+            s.name + str(sorted(s.labels.items())): s.value
+            for s in direct[name].samples
+            if not s.name.endswith("_created")
+        }
         assert set(mine) == set(theirs), name
     running = found["vllm:num_requests_running"].samples[0]
     assert running.labels["model_name"] == "vllm-names-m"
@@ -113,3 +121,20 @@ def test_kept_series_are_bounded_and_leave_out_foreign_and_unknown_values() -> N
     # The family too big to fit is dropped whole, an empty one too; the others stay.
     assert set(kept) == {"vllm:small"}
     assert kept["vllm:small"][2] == [["vllm:small", {}, 1.0]]
+
+
+def test_a_real_vllm_page_keeps_readings_only() -> None:
+    # A /metrics page of real vLLM 0.32 (tests/data/vllm-captures): its creation times are
+    # left out, and of lora_requests_info, which gains a series whenever the adapters
+    # running change, only the latest is kept.
+    page = (CAPTURES / "metrics-tiny.txt").read_text()
+    assert page.count("_created{") >= 40
+    kept = kept_series(text_string_to_metric_families(page))
+    assert not [name for name in kept if name.endswith("_created")]
+    assert not [s for f in kept.values() for s in f[2] if s[0].endswith("_created")]
+    [lora] = kept["vllm:lora_requests_info"][2]
+    assert lora[1]["running_lora_adapters"] == ""  # the later of the two series captured
+    assert kept["vllm:num_requests_running"][2][0][1] == {
+        "engine": "0",
+        "model_name": "smollm2-135m",
+    }

@@ -32,7 +32,8 @@ def _make_job(sim: Simulator, request: web.Request, data: dict[str, Any], chat: 
     else:
         raw_max = data.get("max_tokens")
     max_tokens = parse_max_tokens(raw_max, cfg.default_max_tokens)
-    _check_length(len(tokens), max_tokens, cfg.max_model_len)
+    param = "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens"
+    max_tokens = _checked_length(len(tokens), max_tokens, cfg.max_model_len, param)
     stream = bool(data.get("stream", False))
     options = data.get("stream_options")
     if options is not None and not stream:
@@ -46,25 +47,28 @@ def _make_job(sim: Simulator, request: web.Request, data: dict[str, Any], chat: 
     return Job(rid, model, lora, tokens, max_tokens, stream, include_usage, blocks)
 
 
-def _check_length(n: int, max_tokens: int, limit: int) -> None:
-    """vLLM 0.32's two length errors: the prompt alone too long (it stops counting one token
-    past the limit, hence "at least"), or no room left for max_tokens."""
+def _checked_length(n: int, max_tokens: int, limit: int, param: str) -> int:
+    """vLLM 0.32's length rules (vllm/renderers/params.py, get_max_tokens): a prompt past the
+    limit is refused ("at least" when it was cut one token past it, as vLLM's tokenizer
+    cuts a text), so is a `max_tokens` past the limit itself; any other `max_tokens` is
+    clamped to the room the prompt leaves."""
     if n > limit:
+        qualifier = "at least " if n == limit + 1 else ""
         raise ApiError(
             400,
             f"This model's maximum context length is {limit} tokens. However, your prompt "
-            f"contains at least {min(n, limit + 1)} input tokens. Please reduce the length of "
-            "the input prompt.",
+            f"contains {qualifier}{n} input tokens, which exceeds this limit even without any "
+            "output tokens. Please reduce the length of the input prompt.",
             "input_tokens",
         )
-    if max_tokens > limit - n:
+    if max_tokens > limit:
         raise ApiError(
             400,
-            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
-            f"maximum context length is {limit} tokens and your request has {n} input tokens "
-            f"({max_tokens} > {limit} - {n}).",
-            "max_tokens",
+            f"{param}={max_tokens} cannot be greater than max_model_len={limit}. Please "
+            "request fewer output tokens.",
+            param,
         )
+    return min(max_tokens, limit - n)
 
 
 async def _respond_whole(sim: Simulator, job: Job, chat: bool, delay: float) -> web.Response:

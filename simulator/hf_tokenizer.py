@@ -36,8 +36,8 @@ class HfTokenizer:
         if config_file.is_file():
             config = json.loads(config_file.read_text(encoding="utf-8"))
         self.specials = {k: _text(config[k]) for k in _SPECIALS if k in config}
-        source = config.get("chat_template")
-        self.template = _compile(source) if isinstance(source, str) else None
+        source = _template_source(path, config)
+        self.template = _compile(source) if source is not None else None
 
     def chat(self, body: Mapping[str, Any]) -> list[int]:
         messages = body.get("messages")
@@ -65,6 +65,20 @@ class HfTokenizer:
     def decode(self, ids: list[int]) -> str:
         text: str = self.tokenizer.decode(ids)
         return text
+
+
+def _template_source(path: Path, config: Mapping[str, Any]) -> str | None:
+    """The chat template where transformers finds it: chat_template.jinja first (what
+    current folders have), then the config's field (a string, or named templates of which
+    "default"). routing.chat_template reads the same, for the router; the simulator may not
+    import it."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+    return source if isinstance(source, str) else None
 
 
 def _text(value: Any) -> Any:

@@ -17,7 +17,15 @@ from aiohttp import web
 from simulator.engine import SIM_KEY, Job, Simulator
 from simulator.responses import SSE_HEADERS, SseFrames, final_body
 from simulator.tokens import parse_max_tokens, request_tokens
-from simulator.wire import ApiError, delay_s, error_response, json_response, parse_body, request_id
+from simulator.wire import (
+    ApiError,
+    delay_s,
+    error_response,
+    json_response,
+    parse_body,
+    request_id,
+    validation_error,
+)
 
 __all__ = ["chat_completions", "completions"]
 
@@ -37,8 +45,8 @@ def _make_job(sim: Simulator, request: web.Request, data: dict[str, Any], chat: 
     stream = bool(data.get("stream", False))
     options = data.get("stream_options")
     if options is not None and not stream:
-        raise ApiError(
-            400, "Stream options can only be defined when `stream=True`.", "stream_options"
+        raise validation_error(
+            "Stream options can only be defined when `stream=True`.", "stream_options"
         )
     include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
     blocks = -(-(len(tokens) + max_tokens) // cfg.block_size)
@@ -54,19 +62,19 @@ def _checked_length(n: int, max_tokens: int, limit: int, param: str) -> int:
     clamped to the room the prompt leaves."""
     if n > limit:
         qualifier = "at least " if n == limit + 1 else ""
-        raise ApiError(
-            400,
+        raise validation_error(
             f"This model's maximum context length is {limit} tokens. However, your prompt "
             f"contains {qualifier}{n} input tokens, which exceeds this limit even without any "
             "output tokens. Please reduce the length of the input prompt.",
             "input_tokens",
+            n,
         )
     if max_tokens > limit:
-        raise ApiError(
-            400,
+        raise validation_error(
             f"{param}={max_tokens} cannot be greater than max_model_len={limit}. Please "
             "request fewer output tokens.",
             param,
+            max_tokens,
         )
     return min(max_tokens, limit - n)
 

@@ -30,6 +30,13 @@ class ApiError(Exception):
         return error_response(self.status, self.message, self.err_type, self.param)
 
 
+def validation_error(message: str, parameter: str, value: Any = None) -> ApiError:
+    """A 400 as vLLM's VLLMValidationError words it: the parameter (and the value it
+    refused) appended to the message, "(parameter=max_tokens, value=1025)"."""
+    extras = [f"parameter={parameter}"] + ([] if value is None else [f"value={value}"])
+    return ApiError(400, f"{message} ({', '.join(extras)})", parameter)
+
+
 def error_response(
     status: int, message: str, err_type: str, param: str | None = None
 ) -> web.Response:

@@ -511,16 +511,22 @@ def check_live_errors(live: LiveSource) -> None:
         f"This model's maximum context length is {limit} tokens. However, your prompt "
         f"contains at least {limit + 1} input tokens"
     )
+    assert message.endswith(f"(parameter=input_tokens, value={limit + 1})")
     message = assert_error(post(max_tokens=limit + 1), 400, "BadRequestError", "max_tokens")
     assert message == (
         f"max_tokens={limit + 1} cannot be greater than max_model_len={limit}. "
-        "Please request fewer output tokens."
+        f"Please request fewer output tokens. (parameter=max_tokens, value={limit + 1})"
     )
     # Within the limit, max_tokens is clamped to the room the prompt leaves, not refused.
     clamped = post(prompt=[7] * (limit - 2), max_tokens=limit, ignore_eos=True)
     assert clamped.status_code == 200, clamped.text
     assert clamped.json()["usage"]["completion_tokens"] == 2
-    assert_error(post(stream_options={"include_usage": True}), 400, None, "stream_options")
+    message = assert_error(
+        post(stream_options={"include_usage": True}), 400, None, "stream_options"
+    )
+    assert message == (
+        "Stream options can only be defined when `stream=True`. (parameter=stream_options)"
+    )
     broken = httpx.post(
         url, content=b'{"model": ', headers={"content-type": "application/json"}, timeout=TIMEOUT
     )

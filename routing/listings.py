@@ -63,7 +63,7 @@ async def _route(app: RouterApp, scope: Scope, send: Send) -> None:
     if method != "GET":
         if path in GET_ROUTES or path.startswith("/v1/models/"):
             return await respond_error(send, 405, f"{method} is not allowed on {path}")
-        return await respond_error(send, 404, f"no route {path}")
+        return await respond_error(send, 404, f"no route {path}", path=path)
     client: ClientKey | None = None
     if app.config.require_api_key and path not in OPEN_PATHS:
         checked = app.gate.authenticate(scope, app.snapshot.api_keys)
@@ -85,7 +85,7 @@ async def _route(app: RouterApp, scope: Scope, send: Send) -> None:
     if path == METRICS_PATH:
         body = await _metrics_page(app)
         return await respond(send, 200, body, content_type=_METRICS_CONTENT_TYPE)
-    await respond_error(send, 404, f"no route {path}")
+    await respond_error(send, 404, f"no route {path}", path=path)
 
 
 async def _model_detail(app: RouterApp, send: Send, model: str, client: ClientKey | None) -> None:

@@ -77,12 +77,34 @@ MODEL_ROUTES = frozenset(
         "/score",
         "/pooling",
         "/classify",
+        # Anthropic's API (errors in its shape: routing.errors) and vLLM's newer inference
+        # routes, each a pure function of its body on any worker serving the model:
+        "/v1/messages/count_tokens",
+        "/v1/messages/render",  # templating and tokenizing only (--enable-scale-out)
+        "/v1/chat/completions/render",
+        "/v1/completions/render",
+        "/v1/responses/render",
+        "/v1/chat/completions/derender",  # token ids back to an answer: the model's tokenizer
+        "/v1/completions/derender",
+        "/v1/chat/completions/batch",
+        "/inference/v1/generate",  # token in, token out; `model` as in the others
+        "/generative_scoring",
+        "/v1/systemone",  # vLLM's structured decisions: generation under a schema
     }
 )
 # vLLM's administrative and dev-mode endpoints: answered here with a 404 so that no client
 # can ever put a worker to sleep or reset its cache through the public router.
 PRIVATE_ROUTES = frozenset(
     {
+        # Aborts by request id, which names no worker and would let one client abort
+        # another's requests (the router aborts by closing the connection instead).
+        "/inference/v1/abort_requests",
+        "/abort_requests",
+        "/is_scaling_elastic_ep",  # the engine's own scaling state: operators only
+        "/adapters",  # SageMaker's LoRA load (DELETE /adapters/{name}: routes_here)
+        "/fault_tolerance/apply",
+        "/release_kv_cache_memory",
+        "/reset_encoder_cache",
         "/sleep",
         "/wake_up",
         "/is_sleeping",
@@ -97,6 +119,8 @@ PRIVATE_ROUTES = frozenset(
         "/update_weights",
         "/scale_elastic_ep",
         "/server_info",
+        # SageMaker's catch-all: any handler picked by the body's shape, past every route
+        # rule here; clients use the named routes.
         "/invocations",
     }
 )
@@ -173,6 +197,7 @@ def routes_here(path: str) -> bool:
         or path in SEED_ROUTES
         or path in PRIVATE_ROUTES
         or path == METRICS_PATH
+        or path.startswith("/adapters/")  # SageMaker's LoRA unload: a 404 here too
     )
 
 
@@ -413,7 +438,7 @@ class RouterApp:
         if self.config.require_api_key:  # before the body is read: strangers cost nothing
             checked = self.gate.authenticate(scope, self.snapshot.api_keys)
             if isinstance(checked, Refusal):
-                return await refuse(ex.send, checked, ex.trace)
+                return await refuse(ex.send, checked, ex.trace, path=scope["path"])
             client = checked
         if _headers_size(scope["headers"]) > self.config.max_header_bytes:
             limit = self.config.max_header_bytes
@@ -442,7 +467,7 @@ class RouterApp:
             )
         if client is not None:  # by the name the client asked for, alias or model
             if refusal := await self.gate.admit(client, model):
-                return await refuse(ex.send, refusal, ex.trace)
+                return await refuse(ex.send, refusal, ex.trace, path=scope["path"])
             if (asked := ask_for_usage(scope["path"], body, payload)) is not None:
                 body = asked  # a stream that would go uncounted; the answer is cut to match
             ex.send = self.gate.metered(ex.send, client, model, cut_usage_event=asked is not None)
@@ -873,9 +898,8 @@ async def _end_broken_stream(
     """Headers are gone already; the honest ending is vLLM's own in-stream error event."""
     if upstream.content_type == "text/event-stream":
         message = f"worker {ex.worker.name} failed mid-stream: {type(exc).__name__}"
-        await ex.send(
-            {"type": "http.response.body", "body": sse_error_event(message), "more_body": True}
-        )
+        event = sse_error_event(message, path=ex.scope["path"])
+        await ex.send({"type": "http.response.body", "body": event, "more_body": True})
     await ex.send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -897,10 +921,12 @@ async def _reject(
     *,
     extra_headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
-    """A router-made error on a model route, counted under the status it sends."""
+    """A router-made error on a model route, counted under the status it sends, in the
+    shape of the route's family (OpenAI's, or Anthropic's on /v1/messages)."""
     ex.trace.status = status
     headers = [*(extra_headers or ()), (access_log.HEADER, ex.trace.request_id)]
-    await respond_error(ex.send, status, message, param, extra_headers=headers)
+    path = ex.scope["path"]
+    await respond_error(ex.send, status, message, param, extra_headers=headers, path=path)
 
 
 def _new_session(config: RouterConfig) -> aiohttp.ClientSession:

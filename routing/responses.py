@@ -1,4 +1,5 @@
-"""Whole answers the router writes itself over ASGI: JSON bodies and OpenAI-format errors.
+"""Whole answers the router writes itself over ASGI: JSON bodies and errors (OpenAI's shape,
+Anthropic's on its routes: `path` picks, routing.errors.route_error_body).
 
 Shared by the proxy's refusals (routing.proxy) and the routes it does not proxy
 (routing.listings). Proxied answers never come through here: they are relayed as they arrive.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from routing import access_log
 from routing.asgi_types import Send
 from routing.auth import Refusal
-from routing.errors import error_body
+from routing.errors import route_error_body
 from routing.metrics import RequestTrace
 
 JSON = b"application/json"
@@ -37,15 +38,22 @@ async def respond_error(
     param: str | None = None,
     *,
     extra_headers: list[tuple[bytes, bytes]] | None = None,
+    path: str = "",
 ) -> None:
-    await respond(send, status, error_body(status, message, param=param), extra_headers)
+    """An error the router writes itself, in the shape of `path`'s route family."""
+    body = route_error_body(path, status, message, param)
+    await respond(send, status, body, extra_headers)
 
 
-async def refuse(send: Send, refusal: Refusal, trace: RequestTrace | None = None) -> None:
+async def refuse(
+    send: Send, refusal: Refusal, trace: RequestTrace | None = None, *, path: str = ""
+) -> None:
     """A request turned away by the client gate (routing.auth): 401, 404 or 429. With a
     `trace` (a model route), the refusal is counted and carries the request id."""
     status, headers = refusal.status, list(refusal.headers)
     if trace is not None:
         trace.status = refusal.status
         headers.append((access_log.HEADER, trace.request_id))
-    await respond_error(send, status, refusal.message, refusal.param, extra_headers=headers)
+    await respond_error(
+        send, status, refusal.message, refusal.param, extra_headers=headers, path=path
+    )

@@ -7,8 +7,9 @@ sends it in its final event (vLLM's cumulative usage chunk with `continuous_usag
 too, since the last one wins). Nothing is parsed while chunks flow; a chunk costs one append.
 
 A keyed client that streams without asking for usage would otherwise go uncounted (and past
-its `tpm` limit), so `ask_for_usage` asks the worker for it: on /v1/chat/completions and
-/v1/completions, for `"stream": true` without a true `stream_options.include_usage`, it adds
+its `tpm` limit), so `ask_for_usage` asks the worker for it: on /v1/chat/completions,
+/v1/completions and /inference/v1/generate, for `"stream": true` without a true
+`stream_options.include_usage`, it adds
 `"stream_options": {"include_usage": true}` to the forwarded body (spliced in before the
 closing brace; merged into an existing `stream_options` object by writing the parsed body out
 again, as routing.aliases does when a splice would be ambiguous). `UsageEventCutter` then
@@ -43,8 +44,11 @@ _METERED_TYPES = (b"application/json", b"text/event-stream")
 _SSE = b"text/event-stream"
 _DONE = b"data: [DONE]\n\n"
 # The routes whose streams take `stream_options.include_usage` (/v1/responses and
-# /v1/messages streams carry their usage without being asked).
-USAGE_OPTION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+# /v1/messages streams carry their usage without being asked). vLLM's token-in generate
+# takes it too; its chunks carry `"usage":null`, so the cutter parses each of them.
+USAGE_OPTION_ROUTES = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/inference/v1/generate"}
+)
 MAX_USAGE_EVENT = 4096  # bytes; a longer unfinished event is relayed, it cannot be the one
 # What vLLM's pydantic models take for true in a boolean field (lax mode, any case).
 _TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
@@ -291,11 +295,18 @@ def find_usage(data: bytes) -> tuple[int, int] | None:
     """(prompt, completion) tokens from the last `"usage": {...}` in `data`, or None.
 
     Chat and completions name them prompt_tokens and completion_tokens; /v1/responses and
-    /v1/messages input_tokens and output_tokens; embeddings have prompt tokens only."""
+    /v1/messages input_tokens and output_tokens; embeddings have prompt tokens only.
+    /v1/messages counts cached prompt tokens apart, as Anthropic does (vLLM's input_tokens
+    is its prompt_tokens less cache_read_input_tokens and cache_creation_input_tokens): the
+    prompt is their sum (a streamed message's last usage is its message_delta's)."""
     usage = _last_object_after(data, b'"usage"')
     if usage is None:
         return None
-    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    prompt = usage.get("prompt_tokens")
+    if prompt is None and isinstance(prompt := usage.get("input_tokens"), int):
+        for part in ("cache_read_input_tokens", "cache_creation_input_tokens"):
+            if isinstance(cached := usage.get(part), int):
+                prompt += cached
     completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None

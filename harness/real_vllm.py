@@ -90,7 +90,8 @@ def server_args(
     extra: Sequence[str] = (),
 ) -> list[str]:
     """The arguments of one server as the router's features want it: prompt token details
-    (cached_tokens, for kv_aware's checks), load tracking (GET /load), prefix caching, and
+    (cached_tokens, for kv_aware's checks), load tracking (GET /load), prefix caching, the
+    render routes (--enable-scale-out: kv_aware's tokens from the worker in one hop), and
     KV events with replay when `kv_port` is given. float32 and eager mode: bf16 is emulated
     on most CPUs and compiling takes minutes."""
     args = [
@@ -100,6 +101,8 @@ def server_args(
         "--max-model-len", str(max_model_len), "--max-num-seqs", "8",
         "--enable-prefix-caching", "--enable-prompt-tokens-details",
         "--enable-server-load-tracking",
+        # The render routes: kv_aware's token ids in one hop for every chat-like route.
+        "--enable-scale-out",
     ]  # fmt: skip
     if kv_port:
         args += ["--kv-events-config", kv_events_config(kv_port, replay_port)]

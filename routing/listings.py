@@ -161,6 +161,9 @@ def health_report(app: RouterApp) -> dict[str, Any]:
         # Each tokenizer folder a model names (kv_aware's local tokens): loaded, loading, or
         # why it cannot be used (the worker's /tokenize serves meanwhile).
         "tokenizers": app.tokens.status(),
+        # How each kv_aware model gets its token ids: local, render, tokenize (or worker:
+        # its hop has not run yet).
+        "tokenize_sources": app.tokens.sources(snapshot),
     }
 
 

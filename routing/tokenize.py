@@ -49,7 +49,6 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import orjson
 from jinja2 import TemplateError
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -57,8 +56,10 @@ from tokenizers import Tokenizer
 
 from routing.chat_template import compile_chat_template, find_chat_template
 from routing.metrics import PlainHistogram
+from routing.policies import policy_class
 from routing.policies.load import least_loaded
 from routing.snapshot import ModelRoute, Snapshot, WorkerView
+from routing.tokenize_remote import RENDER_PATHS, RemoteTokens, token_ids
 from routing.tokenize_segments import PieceCache, Plan, tokenizer_json
 
 if TYPE_CHECKING:
@@ -67,7 +68,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=2.0, sock_connect=1.0)
 # Past this many characters encoding runs on a thread: a long prompt takes milliseconds of
 # CPU, and the event loop serves every other request meanwhile (encode_batch drops the GIL).
 INLINE_CHARS = 8192
@@ -77,9 +77,6 @@ COMPLETIONS_PATH = "/v1/completions"
 NO_TEMPLATE = "loaded, no chat template (chat is tokenized by the worker)"
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                    "mask_token")  # fmt: skip
-# Chat keys the worker's /tokenize takes as the chat endpoint does.
-_CHAT_KEYS = ("messages", "tools", "add_generation_prompt", "continue_final_message",
-              "add_special_tokens", "chat_template", "chat_template_kwargs")  # fmt: skip
 
 
 class TokenizerFolderError(ValueError):
@@ -187,6 +184,7 @@ class RequestTokens:
         # (model, source) -> seconds; source: local, worker. And outcomes by (model, source).
         self.seconds: dict[tuple[str, str], PlainHistogram] = {}
         self.outcomes: Counter[tuple[str, str]] = Counter()
+        self.remote = RemoteTokens()
 
     # -- off the request path ---------------------------------------------------------------
 
@@ -229,6 +227,18 @@ class RequestTokens:
         state.update(self.load_errors)
         return state
 
+    def sources(self, snapshot: Snapshot) -> dict[str, str]:
+        """How each model whose policy wants tokens gets them (/health): "local" (a loaded
+        folder), else the worker's hop as it went last ("render" or "tokenize"), else
+        "worker" (no request yet)."""
+        wanted = (r for r in snapshot.routes.values() if _wants_tokens(r.policy))
+        return {
+            route.name: "local"
+            if self.local(route) is not None
+            else self.remote.via.get(route.name, "worker")
+            for route in wanted
+        }
+
     def loaded(self) -> dict[str, LocalTokenizer]:
         return dict(self._by_folder)
 
@@ -251,11 +261,11 @@ class RequestTokens:
         started = perf_counter()
         ids = await self._local(route, path, body)
         source = "local"
-        if ids is None and path in (CHAT_PATH, COMPLETIONS_PATH):
+        if ids is None and path in RENDER_PATHS:
             worker = least_loaded(workers, loads)
             if worker is not None:
                 source = "worker"
-                ids = await _remote(session, worker, route.name, path, body)
+                ids = await self.remote.of(session, worker, route.name, path, body)
         outcome = source if ids is not None else "none"
         self.outcomes[route.name, outcome] += 1
         if ids is not None:
@@ -266,7 +276,7 @@ class RequestTokens:
         self, route: ModelRoute, path: str, body: Mapping[str, Any]
     ) -> list[int] | None:
         prompt = body.get("prompt")
-        if path == COMPLETIONS_PATH and _token_ids(prompt):
+        if path == COMPLETIONS_PATH and token_ids(prompt):
             return prompt  # type: ignore[no-any-return]  # checked: a list of ints
         local = self.local(route)
         if local is None:
@@ -305,7 +315,7 @@ class RequestTokens:
         """The ids a local tokenizer makes of a body, on this thread (the admin dry run)."""
         local = self.local(route)
         prompt = body.get("prompt")
-        if _token_ids(prompt):
+        if token_ids(prompt):
             return prompt  # type: ignore[no-any-return]  # checked: a list of ints
         if local is None:
             return None
@@ -319,39 +329,6 @@ class RequestTokens:
 
     def close(self) -> None:
         self._encoder.shutdown(wait=False)
-
-
-async def _remote(
-    session: aiohttp.ClientSession,
-    worker: WorkerView,
-    model: str,
-    path: str,
-    body: Mapping[str, Any],
-) -> list[int] | None:
-    """The worker's /tokenize of the request (messages or prompt), or None on any failure:
-    routing then goes on without exact tokens, never fails over it."""
-    if path == CHAT_PATH:
-        ask: dict[str, Any] = {k: body[k] for k in _CHAT_KEYS if k in body}
-    elif isinstance(body.get("prompt"), str):
-        ask = {"prompt": body["prompt"], "add_special_tokens": body.get("add_special_tokens", True)}
-    else:
-        return None
-    ask["model"] = model
-    headers = {"Content-Type": "application/json"}
-    if worker.upstream_authorization is not None:
-        headers["Authorization"] = worker.upstream_authorization
-    try:
-        async with session.post(
-            worker.url + "/tokenize", data=orjson.dumps(ask), headers=headers,
-            timeout=TOKENIZE_TIMEOUT, allow_redirects=False,
-        ) as answer:  # fmt: skip
-            if answer.status != 200:
-                return None
-            tokens = orjson.loads(await answer.read()).get("tokens")
-    except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError, AttributeError) as exc:
-        log.debug("tokenize on %s failed: %r", worker.name, exc)
-        return None
-    return list(tokens) if _token_ids(tokens) else None
 
 
 class TokenizeCollector(Collector):
@@ -462,12 +439,11 @@ def _parsed_call(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def _token_ids(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    )
+def _wants_tokens(policy: str) -> bool:
+    try:
+        return policy_class(policy).needs_request_tokens
+    except ValueError:  # an unknown name routes by the default policy, which needs none
+        return False
 
 
 __all__ = ["LocalTokenizer", "RequestTokens", "TokenizeCollector", "check_folder"]

@@ -63,13 +63,12 @@ def kept_series(families: Iterable[Metric]) -> KeptSeries:
     for family in sorted(families, key=lambda f: f.name):
         if not family.name.startswith(PREFIX) or family.name.endswith(CREATED):
             continue
-        samples = [
-            [s.name, dict(s.labels), float(s.value)]
-            for s in family.samples
-            if _finite(float(s.value)) and not s.name.endswith(CREATED)
+        readings = [
+            s for s in family.samples if _finite(float(s.value)) and not s.name.endswith(CREATED)
         ]
-        if family.name in LATEST_ONLY and samples:
-            samples = [max(samples, key=lambda sample: sample[2])]
+        if family.name in LATEST_ONLY and readings:
+            readings = [max(readings, key=lambda s: float(s.value))]
+        samples = [[s.name, dict(s.labels), float(s.value)] for s in readings]
         if not samples or len(samples) > room:
             continue
         room -= len(samples)

@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 import simulator.endpoints as endpoints
+import simulator.responses_api as responses_api
 from simulator.config import SimConfig
 from simulator.engine import SIM_KEY, Simulator
 from simulator.generation import chat_completions, completions
@@ -63,6 +64,9 @@ def _add_routes(router: web.UrlDispatcher) -> None:
     router.add_post("/v1/chat/completions", chat_completions)
     router.add_post("/v1/completions", completions)
     router.add_post("/v1/embeddings", endpoints.embeddings)
+    router.add_post("/v1/responses", responses_api.create_response)
+    router.add_get("/v1/responses/{response_id}", responses_api.get_response)
+    router.add_post("/v1/responses/{response_id}/cancel", responses_api.cancel_response)
     router.add_post("/tokenize", endpoints.tokenize)
     router.add_post("/detokenize", endpoints.detokenize)
     router.add_post("/v1/load_lora_adapter", endpoints.load_lora)

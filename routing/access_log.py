@@ -32,6 +32,8 @@ from routing.auth import SCOPE_KEY
 from routing.metrics import CLIENT_CLOSED, RequestTrace
 
 HEADER = b"x-request-id"
+# routing.response_affinity: the response id a request was pinned by, and how it was found.
+PINNED_SCOPE_KEY = "controlpanel.pinned"
 MAX_REQUEST_ID = 128
 log = logging.getLogger("routing.access")
 
@@ -76,6 +78,7 @@ def write(scope: Scope, trace: RequestTrace, rid: bytes, worker: str) -> None:
         "ttft_ms": None if first_byte is None else round((first_byte - trace.started) * 1000, 2),
         "key": None if key is None else key.prefix,
         "fallbacks": fallbacks.hops_of(scope),  # [{"from", "to", "reason"}], or null
+        "pinned": scope.get(PINNED_SCOPE_KEY),  # {"response_id", "found_in", ...}, or null
     }
     log.info(orjson.dumps(line).decode(), extra={"status": line["status"]})
 

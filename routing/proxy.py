@@ -29,7 +29,7 @@ import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry
 
-from routing import access_log, explain, fallbacks, listings
+from routing import access_log, explain, fallbacks, listings, response_affinity
 from routing.admission import STANDARD_RANK, Admission, Ticket
 from routing.aliases import ModelNameRewriter, rewrite_request_model, session_key
 from routing.asgi_types import Receive, Scope, Send
@@ -240,6 +240,8 @@ class Exchange:
     rank: int = STANDARD_RANK
     flow: int = 0
     weight: float = 1.0
+    # routing.response_affinity: the worker holding the response a follow-up continues.
+    pinned: response_affinity.Holder | None = None
 
     def first_byte(self) -> None:
         self.trace.first_byte = perf_counter()
@@ -290,6 +292,11 @@ class RouterApp:
         # Workers' KV caches from their own events, fed off the request path.
         self.kv_index = KvIndex(self.config.kv_index_max_blocks)
         self.kv_events = KvSubscriber(self.kv_index, lambda: self.snapshot)
+        # Which worker holds each Responses API response (routing.response_affinity).
+        self.responses = response_affinity.ResponseAffinity(
+            self.instance_id, self.store, lambda: self.snapshot.deployment,
+            lambda: self.sync is not None and self.sync.peers > 0,
+        )  # fmt: skip
         self._policies: dict[tuple[str, str, bytes], BasePolicy] = {}
         self._route_policies: dict[str, BasePolicy] = {}
 
@@ -362,6 +369,7 @@ class RouterApp:
             if self.sync is not None:
                 await self.sync.start()
             await self.kv_events.start()
+            await self.responses.start()
         _tune_garbage_collector()
 
     async def shutdown(self) -> None:
@@ -374,6 +382,7 @@ class RouterApp:
         if self.store is not None:
             await self.store.close()
         await self.kv_events.stop()
+        await self.responses.stop()
 
     async def _lazy_session(self) -> aiohttp.ClientSession:
         """For servers that skip the ASGI lifespan: make the one session on first use."""
@@ -401,18 +410,20 @@ class RouterApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["path"] in MODEL_ROUTES:
             return await self._proxy(scope, receive, send)
+        if scope["path"].startswith(response_affinity.BY_ID_PREFIX):  # GET, cancel by id
+            return await self._proxy(scope, receive, send, by_id=True)
         await listings.answer(self, scope, send)
 
     # --- the proxy --------------------------------------------------------------------------
 
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, by_id: bool = False) -> None:
         """One model-route request, counted and timed whatever becomes of it."""
         trace = RequestTrace(perf_counter())
         rid = trace.request_id = access_log.request_id(scope)
         ex = Exchange(scope, receive, send, trace)
         span = self.tracer.start(scope) if self.tracer is not None else None
         try:
-            await self._place(ex)
+            await (response_affinity.place_by_id(self, ex) if by_id else self._place(ex))
         except Exception:
             trace.status = trace.status or 500  # uvicorn answers an escaped error with a 500
             raise
@@ -472,6 +483,13 @@ class RouterApp:
                 body = asked  # a stream that would go uncounted; the answer is cut to match
             ex.send = self.gate.metered(ex.send, client, model, cut_usage_event=asked is not None)
         ex.body = body
+        if scope["path"] == response_affinity.PATH:  # the one check other routes pay
+            ex.send = self.responses.catch_ids(ex, payload)
+            if (previous := response_affinity.previous_id(payload)) is not None:
+                ex.pinned = await self.responses.find(previous)
+                scope[access_log.PINNED_SCOPE_KEY] = (
+                    ex.pinned.shown() if ex.pinned else {"response_id": previous, "found_in": None}
+                )
         if scope.get(explain.SCOPE_KEY) and explain.allowed(client, self.config.require_api_key):
             ex.explain = {}  # filled in by _route once the model's route is known
         await self._route(ex, payload, model)
@@ -499,6 +517,8 @@ class RouterApp:
             if alias.fallbacks and ex.hops is None:
                 return await self._route_falling_back(ex, payload, model, alias.fallbacks)
             target = alias.choose(session_key(ex.scope["headers"], payload))
+            if ex.pinned is not None:  # the target whose worker holds the response
+                target = response_affinity.alias_target(ex.pinned, alias, target)
             if target is None:
                 return await _reject(ex, 503, f"the alias `{model}` has no target")
             ex.body = rewrite_request_model(ex.body, payload, model, target)
@@ -516,6 +536,11 @@ class RouterApp:
         if route.fallbacks and alias is None and ex.hops is None:
             return await self._route_falling_back(ex, payload, model, route.fallbacks)
         ex.trace.model = model  # only now: a served name, so the label set stays bounded
+        if ex.pinned is not None:  # previous_response_id: its holder, or why not
+            pinned = response_affinity.pin_route(self, ex, route, policy, ex.pinned)
+            if isinstance(pinned, response_affinity.Gone):
+                return await response_affinity.refuse_gone(ex, pinned, ex.pinned)
+            route, policy = pinned
         # The prompt as text costs CPU, so only a policy that uses it gets it.
         text = request_text(payload) if policy.needs_request_text else None
         headers = ex.scope["headers"]
@@ -712,7 +737,9 @@ class RouterApp:
             headers = _request_headers(scope["headers"], _DROP_FOR_KEYED_WORKER[drop])
             headers.append(("Authorization", worker.upstream_authorization))
         try:
-            upstream = await session.post(url, data=ex.body, headers=headers, allow_redirects=False)
+            upstream = await session.request(
+                scope["method"], url, data=ex.body, headers=headers, allow_redirects=False
+            )
         except TimeoutError as exc:
             self._failed_before_response(worker, "timeout", exc)
             # Only a connection that was never made is safe to try elsewhere: a worker that

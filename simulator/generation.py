@@ -41,7 +41,7 @@ def _make_job(sim: Simulator, request: web.Request, data: dict[str, Any], chat: 
         raw_max = data.get("max_tokens")
     max_tokens = parse_max_tokens(raw_max, cfg.default_max_tokens)
     param = "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens"
-    max_tokens = _checked_length(len(tokens), max_tokens, cfg.max_model_len, param)
+    max_tokens = checked_length(len(tokens), max_tokens, cfg.max_model_len, param)
     stream = bool(data.get("stream", False))
     options = data.get("stream_options")
     if options is not None and not stream:
@@ -55,7 +55,7 @@ def _make_job(sim: Simulator, request: web.Request, data: dict[str, Any], chat: 
     return Job(rid, model, lora, tokens, max_tokens, stream, include_usage, blocks)
 
 
-def _checked_length(n: int, max_tokens: int, limit: int, param: str) -> int:
+def checked_length(n: int, max_tokens: int, limit: int, param: str) -> int:
     """vLLM 0.32's length rules (vllm/renderers/params.py, get_max_tokens): a prompt past the
     limit is refused ("at least" when it was cut one token past it, as vLLM's tokenizer
     cuts a text), so is a `max_tokens` past the limit itself; any other `max_tokens` is

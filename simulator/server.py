@@ -1,6 +1,8 @@
 """A fake vLLM OpenAI-compatible server for demos, tests and throughput benchmarks.
 
 It speaks vLLM's wire format (``/v1/models``, chat and text completions with SSE streaming,
+Anthropic's ``/v1/messages`` (:mod:`simulator.anthropic`), the render, batch and token-in
+generate routes (:mod:`simulator.scale_out`, as with vLLM's ``--enable-scale-out``),
 embeddings, ``/tokenize``, ``/detokenize``, ``/health``, Prometheus ``/metrics``) without a GPU;
 :mod:`simulator.engine` models the queue, the prefix cache and the timing behind it. With
 ``api_key`` set, every ``/v1`` path needs ``Authorization: Bearer <key>``, as vLLM's
@@ -26,7 +28,9 @@ from typing import Any
 
 from aiohttp import web
 
+import simulator.anthropic as anthropic
 import simulator.endpoints as endpoints
+import simulator.scale_out as scale_out
 import simulator.responses_api as responses_api
 from simulator.config import SimConfig
 from simulator.engine import SIM_KEY, Simulator
@@ -64,6 +68,13 @@ def _add_routes(router: web.UrlDispatcher) -> None:
     router.add_post("/v1/chat/completions", chat_completions)
     router.add_post("/v1/completions", completions)
     router.add_post("/v1/embeddings", endpoints.embeddings)
+    router.add_post("/v1/messages", anthropic.messages)
+    router.add_post("/v1/messages/count_tokens", anthropic.count_tokens)
+    router.add_post("/v1/messages/render", scale_out.render_messages)
+    router.add_post("/v1/chat/completions/render", scale_out.render_chat)
+    router.add_post("/v1/completions/render", scale_out.render_completions)
+    router.add_post("/v1/chat/completions/batch", scale_out.batch)
+    router.add_post("/inference/v1/generate", scale_out.generate)
     router.add_post("/v1/responses", responses_api.create_response)
     router.add_get("/v1/responses/{response_id}", responses_api.get_response)
     router.add_post("/v1/responses/{response_id}/cancel", responses_api.cancel_response)

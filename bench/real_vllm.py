@@ -56,6 +56,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
@@ -125,6 +126,18 @@ def shape_of(args: argparse.Namespace) -> Shape:
         groups=args.groups, users_per_group=args.users_per_group, system_words=args.system_words,
         max_tokens=args.max_tokens, seed=args.seed,
     )  # fmt: skip
+
+
+def source() -> dict[str, Any]:
+    """The commit the router ran from, and the files changed beside it (the router runs from
+    the working tree)."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=harness.ROOT, capture_output=True, text=True)
+        return done.stdout.strip()
+
+    changed = git("status", "--porcelain", "--untracked-files=no").splitlines()
+    return {"commit": git("rev-parse", "--short", "HEAD"), "changed": changed}
 
 
 def loadavg() -> str:
@@ -212,7 +225,7 @@ def main() -> int:
         "requests_per_run": workload.requests, "block_size": BLOCK_SIZE,
         "distinct_blocks": distinct, "cache_blocks": cache_blocks, "mode_config": MODES,
         "longest_tokens": longest, "max_model_len": max_model_len(cache_blocks),
-        "loadavg_before": loadavg(), "model_folder": str(folder), "notes": [],
+        "loadavg_before": loadavg(), "model_folder": str(folder), "notes": [], "source": source(),
     }  # fmt: skip
     log(
         f"{workload.requests} requests per run, ~{distinct} distinct blocks, "

@@ -110,13 +110,15 @@ SUMS = ("requests", "errors", "checked", "within_block", "predicted_tokens", "re
 
 def summary(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """mode -> medians over rounds (SCALARS), totals over rounds (SUMS and the decision,
-    fallback and tokenize counts), and the medians of per-round ratios to round_robin."""
+    fallback and tokenize counts; accuracy pooled from them), and the medians of per-round
+    ratios to round_robin."""
     modes = [m for m in MODES if any(m in r for r in rounds)]
     out: dict[str, dict[str, Any]] = {}
     for mode in modes:
         runs = [r[mode] for r in rounds if mode in r]
         fig: dict[str, Any] = {k: median([run[k] for run in runs]) for k in SCALARS}
         fig.update({k: sum(run[k] for run in runs) for k in SUMS})
+        fig["accuracy"] = ratio(fig["within_block"], fig["checked"])  # pooled over rounds
         for key in ("decisions", "fallbacks", "tokenize"):
             total: dict[str, float] = {}
             for run in runs:
@@ -163,7 +165,14 @@ def report(result: dict[str, Any]) -> str:
         f"## Real vLLM (`bench/real_vllm.py`), {result['machine']['date']}",
         "",
         f"Machine: {result['machine']['nproc']} cores, {result['machine']['cpu_model']}, "
-        f"load average {setup['loadavg_before']} before, {setup['loadavg_after']} after.",
+        f"load average {setup['loadavg_before']} before, {setup['loadavg_after']} after. "
+        f"Router from commit {setup['source']['commit']}"
+        + (
+            f" with {len(setup['source']['changed'])} files changed"
+            if setup["source"]["changed"]
+            else ""
+        )
+        + ".",
         f"vLLM {setup['vllm_version']} (CPU), model `{MODEL}` (tiny random-weight Llama, "
         "SmolLM2 tokenizer, float32, eager), two servers, block size "
         f"{setup['block_size']}, `--num-gpu-blocks-override {setup['cache_blocks']}` each "
@@ -204,7 +213,8 @@ def report(result: dict[str, Any]) -> str:
         f"({'PASS' if malformed == 0 else 'FAIL'}: must be 0); sequence gaps: "
         f"{sum(f['gaps'] for f in s.values()):.0f}.",
         "Accuracy: checked predictions within one block of `cached_tokens` (prefix_aware "
-        "predicts in 16-token blocks), predicted / reported: token sums over all rounds; "
+        "predicts in 16-token blocks), pooled over all rounds; mean absolute error: median "
+        "over rounds; predicted / reported: token sums over all rounds; "
         "decisions, fallbacks and tokenize outcomes: totals over all rounds.",
         "Client-side cached share (usage): "
         + ", ".join(f"{m} {pct(f['client_cached_share'])}" for m, f in s.items())

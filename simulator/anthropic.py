@@ -14,8 +14,8 @@ vLLM does, byte for byte in field order:
   ``content_block_stop``, ``message_delta`` (stop reason and the final usage),
   ``message_stop``; vLLM sends no ``ping`` and no ``data: [DONE]``;
 * with ``enable_prompt_tokens_details``, usage counts the cached prompt tokens apart, as
-  Anthropic does: ``input_tokens`` is the prompt less ``cache_read_input_tokens`` (the
-  simulator reports no ``cache_creation_input_tokens``: its usage has no created tokens);
+  Anthropic does: ``input_tokens`` is the prompt less ``cache_read_input_tokens`` (its
+  cached tokens) and ``cache_creation_input_tokens`` (those of the full blocks it stored);
 * ``count_tokens``: ``{"input_tokens": N, "context_management": {"original_input_tokens": N}}``.
 
 Errors as vLLM's: a request its pydantic model refuses (a required field missing, malformed
@@ -128,15 +128,20 @@ def _tokens(sim: Simulator, data: dict[str, Any]) -> list[Any]:
     return request_tokens(chat, True, sim.tokenizer)
 
 
-def _usage(job: Job, *, final: bool) -> dict[str, int]:
+def _usage(job: Job, block_size: int = 0) -> dict[str, int]:
+    """The final usage (`block_size`: the engine's); without a block size, message_start's,
+    whose first chunk carries no details yet."""
     prompt = len(job.tokens)
-    if not final:  # message_start: the first chunk's usage carries no details yet
+    if not block_size:
         return {"input_tokens": prompt, "output_tokens": 0}
     if job.cached_tokens is None:
         return {"input_tokens": prompt, "output_tokens": job.max_tokens}
+    # vLLM's created_cache_tokens: the prompt tokens in the full blocks it stored anew.
+    created = max(0, prompt // block_size * block_size - job.cached_tokens)
     return {
-        "input_tokens": max(0, prompt - job.cached_tokens),
+        "input_tokens": max(0, prompt - job.cached_tokens - created),
         "output_tokens": job.max_tokens,
+        "cache_creation_input_tokens": created,
         "cache_read_input_tokens": job.cached_tokens,
     }
 
@@ -148,8 +153,9 @@ def _event(kind: bytes, data: dict[str, Any]) -> bytes:
 class MessageFrames:
     """A streamed message's events, as vLLM's message_stream_converter writes them."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, block_size: int) -> None:
         self.job = job
+        self.block_size = block_size
         self.delta = b'event: content_block_delta\ndata: {"type":"content_block_delta",'
         self.delta += b'"delta":{"type":"text_delta","text":"'
 
@@ -157,7 +163,7 @@ class MessageFrames:
         message: dict[str, Any] = {
             "id": self.job.id, "type": "message", "role": "assistant", "content": [],
             "model": self.job.model, "stop_reason": None, "stop_sequence": None,
-            "usage": _usage(self.job, final=False),
+            "usage": _usage(self.job),
         }  # fmt: skip
         start = _event(b"message_start", {"type": "message_start", "message": message})
         block = {"type": "text", "text": ""}
@@ -177,7 +183,11 @@ class MessageFrames:
             + _event(b"content_block_stop", {"type": "content_block_stop", "index": 0})
             + _event(
                 b"message_delta",
-                {"type": "message_delta", "delta": delta, "usage": _usage(self.job, final=True)},
+                {
+                    "type": "message_delta",
+                    "delta": delta,
+                    "usage": _usage(self.job, self.block_size),
+                },
             )
             + _event(b"message_stop", {"type": "message_stop"})
         )
@@ -213,12 +223,13 @@ async def messages(request: web.Request) -> web.StreamResponse:
         return exc.response()
     sim.received += 1
     if job.stream:
-        return await run_stream(sim, request, job, MessageFrames(job), delay)
+        return await run_stream(sim, request, job, MessageFrames(job, sim.config.block_size), delay)
     await run_whole(sim, [job], delay)
     answer = {
         "id": job.id, "type": "message", "role": "assistant",
         "content": [{"type": "text", "text": output_text(job.max_tokens)}],
-        "model": job.model, "stop_reason": "max_tokens", "usage": _usage(job, final=True),
+        "model": job.model, "stop_reason": "max_tokens",
+        "usage": _usage(job, sim.config.block_size),
     }  # fmt: skip
     return json_response(answer)
 

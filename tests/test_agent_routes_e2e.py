@@ -172,7 +172,7 @@ def test_keyed_refusals_are_anthropic_errors_and_streamed_messages_are_counted(
 
     def recorded() -> tuple[int, int, int] | None:
         row = KeyUsage.objects.filter(api_key__name="team", model="m").first()
-        return row and (row.requests, row.prompt_tokens, row.completion_tokens)
+        return None if row is None else (row.requests, row.prompt_tokens, row.completion_tokens)
 
     prompt = usage.input_tokens + (usage.cache_read_input_tokens or 0)
     assert whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0) == prompt

@@ -63,6 +63,23 @@ def test_usage_is_found_in_bodies_and_final_stream_events() -> None:
         assert find_usage(nothing) is None
 
 
+def test_anthropic_usage_counts_cached_prompt_tokens_too() -> None:
+    # vLLM's /v1/messages: input_tokens is the prompt less what the cache read and stored.
+    whole = b'{"usage":{"input_tokens":10,"output_tokens":6,"cache_creation_input_tokens":32,'
+    whole += b'"cache_read_input_tokens":64}}'
+    assert find_usage(whole) == (106, 6)
+    # A stream's last usage is its message_delta's; message_stop carries none.
+    stream = (
+        b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+        b'{"input_tokens":42,"output_tokens":0}}}\n\n'
+        b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":'
+        b'"max_tokens"},"usage":{"input_tokens":10,"output_tokens":6,'
+        b'"cache_creation_input_tokens":32,"cache_read_input_tokens":0}}\n\n'
+        b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+    )
+    assert find_usage(stream) == (42, 6)
+
+
 def _tap_run(
     chunks: list[bytes], headers: list[tuple[bytes, bytes]], status: int = 200, *, cut: bool = False
 ) -> tuple[UsageLedger, list[int], list[dict[str, Any]]]:

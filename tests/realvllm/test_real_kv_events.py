@@ -238,3 +238,30 @@ def test_a_restarted_engine_is_seen_and_its_index_starts_over(
     body = {"model": MODEL, "prompt": system("after restart"), "max_tokens": 1}
     httpx.post(f"{real.url}/v1/completions", json=body, timeout=120).raise_for_status()
     wait_until(lambda: blocks(router, restarted) >= 8, timeout=PATIENCE_S)
+
+
+def test_without_a_tokenizer_folder_tokens_come_from_vllms_render_for_every_route(
+    router: RouterServer, client: openai.OpenAI, vllm_pair: list[RealWorker]
+) -> None:
+    """With --enable-scale-out, one hop to the worker's render route gives the exact engine
+    input of chat and of Anthropic's /v1/messages (which /tokenize cannot render): decided
+    from events, never the approximate fallback."""
+    register(router, vllm_pair)
+    use_policy(router, "kv_aware", pending_seconds=0)
+    made_before, tokenized_before = decisions(router), tokenized(router)
+    fallbacks = "controlpanel_router_kv_aware_fallbacks_total"
+    fallbacks_before = router_metric(router, fallbacks, model=MODEL)
+    prompt = system("render")
+    chat(client, [{"role": "system", "content": prompt}, {"role": "user", "content": "hi"}])
+    body = {"model": MODEL, "max_tokens": 4, "system": prompt,
+            "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
+    for _ in range(2):
+        answer = httpx.post(f"{router.url}/v1/messages", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["type"] == "message"
+    made = {k: v - made_before[k] for k, v in decisions(router).items()}
+    assert made["fallback"] == 0 and made["kv"] + made["miss"] == 3, made
+    assert router_metric(router, fallbacks, model=MODEL) == fallbacks_before
+    hops = {k: v - tokenized_before[k] for k, v in tokenized(router).items()}
+    assert hops == {"local": 0, "worker": 3}
+    assert router.get("/health").json()["tokenize_sources"] == {MODEL: "render"}

@@ -21,11 +21,13 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from tests.conftest import ADMIN_HEADERS, ROOT, free_port, free_port_run, stop_process, wait_until
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "controlpanel.json"
 RULES = ROOT / "deploy" / "prometheus" / "controlpanel-rules.yaml"
+SERVICE_MONITOR = ROOT / "deploy/kubernetes/components/servicemonitor/servicemonitor.yaml"
 MODEL, OTHER, ALIAS = "llama-3.1-8b-instruct", "qwen2.5-7b-instruct", "chat"
 SCRAPE_SECONDS = 1
 # Grafana's own variables, as it would fill them in for a short time range.
@@ -119,18 +121,11 @@ def _demo_ready(url: str, proc: subprocess.Popen[bytes], var_dir: Path) -> bool:
 
 @pytest.fixture
 def prometheus(tmp_path: Path, demo: tuple[str, dict[str, str]]) -> Iterator[str]:
-    target = demo[0].removeprefix("http://")
+    port = demo[0].rsplit(":", 1)[1]
     config = {
         "global": {"scrape_interval": f"{SCRAPE_SECONDS}s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES)],
-        "scrape_configs": [
-            {"job_name": "routers", "static_configs": [{"targets": [target]}]},
-            {
-                "job_name": "control-plane",
-                "metrics_path": "/metrics/control-plane",
-                "static_configs": [{"targets": [target]}],
-            },
-        ],
+        "scrape_configs": shipped_scrape_configs([f"127.0.0.1:{port}", f"localhost:{port}"]),
     }
     (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
     port = free_port()
@@ -146,6 +141,22 @@ def prometheus(tmp_path: Path, demo: tuple[str, dict[str, str]]) -> Iterator[str
     finally:
         stop_process(proc)
         log.close()
+
+
+def shipped_scrape_configs(targets: list[str]) -> list[dict[str, Any]]:
+    """The shipped ServiceMonitor's endpoints as Prometheus scrape jobs (what the operator
+    makes of it), each over `targets`: two names of the one demo router stand for two router
+    pods, so a panel that counted the pods' identical control-plane series twice would show
+    it. The dashboard's panels must have data from exactly what is shipped."""
+    monitor = yaml.safe_load(SERVICE_MONITOR.read_text())
+    return [
+        {
+            "job_name": f"endpoint-{i}",
+            "metrics_path": endpoint.get("path", "/metrics"),
+            "static_configs": [{"targets": targets}],
+        }
+        for i, endpoint in enumerate(monitor["spec"]["endpoints"])
+    ]
 
 
 def _answers(url: str) -> bool:

@@ -39,12 +39,12 @@ MODES: dict[str, dict[str, Any]] = {
     "prefix_aware": {"policy": "prefix_aware", "policy_config": GUARD, "tokenizer": False},
     "kv_aware/worker": {
         "policy": "kv_aware",
-        "policy_config": {**GUARD, "block_size": BLOCK_SIZE},
+        "policy_config": GUARD,
         "tokenizer": False,
     },
     "kv_aware/local": {
         "policy": "kv_aware",
-        "policy_config": {**GUARD, "block_size": BLOCK_SIZE},
+        "policy_config": GUARD,
         "tokenizer": True,
     },
 }

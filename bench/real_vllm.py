@@ -25,8 +25,9 @@ batch of 8 (``balance_abs_threshold`` 8, ``balance_rel_threshold`` 1.5; kv_aware
 knobs default: its ``block_size`` is only its cost's unit, each worker's own block size comes
 from its events); kv_aware twice: ``kv_aware/worker`` without a tokenizer folder (one hop
 to a worker per request, its render route: the servers run with --enable-scale-out) and
-``kv_aware/local`` with the model folder as the model's ``tokenizer`` (its chat_template.jinja; no hop, which
-``controlpanel_router_tokenize_requests_total{outcome}`` shows). Before every run both
+``kv_aware/local`` with the model folder as the model's ``tokenizer`` (its
+chat_template.jinja; no hop, which ``controlpanel_router_tokenize_requests_total{outcome}``
+shows). Before every run both
 engines get ``POST /reset_prefix_cache`` (their AllBlocksCleared empties the router's
 indexes, which the script waits for), so every mode starts cold: resetting takes about a
 second where restarting the servers would take a minute. The mode order rotates each round.

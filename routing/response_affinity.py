@@ -337,9 +337,11 @@ class IdCatcher:
 
     def _found(self) -> str | None:
         """The id, "" when the answer has none, None while more bytes are needed."""
-        if not self._sse:
+        if not self._sse:  # vLLM writes the id first: past its longest, there is none
             match = _LEADING_ID.match(self._buffer)
-            return match.group(1).decode() if match else None
+            if match is None:
+                return None if len(self._buffer) < MAX_ID_CHARS + 32 else ""
+            return match.group(1).decode()
         end = self._buffer.find(b"\n\n")
         if end < 0:
             return None

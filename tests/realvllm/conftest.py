@@ -58,7 +58,10 @@ def start_pair(log_dir: Path) -> list[RealWorker]:
             model, MODEL, port, kv_port=kv_port, replay_port=replay_port,
             block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, extra=extra,
         )  # fmt: skip
-        server = VllmServer(python, args, log_dir / f"vllm-{i}.log").start()
+        # The Responses API's store: off by default in vLLM (previous_response_id, GET and
+        # cancel by id need it; tests/realvllm/test_real_responses.py).
+        store = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+        server = VllmServer(python, args, log_dir / f"vllm-{i}.log", env=store).start()
         events = f"tcp://127.0.0.1:{kv_port}"
         workers.append(RealWorker(server, events, f"tcp://127.0.0.1:{replay_port}"))
     try:

@@ -6,7 +6,9 @@ replaces itself with `python -m launcher ...`, so none of Django's memory stays 
 supervisor. What lives here:
 
 - `plan`: the command line (`--routers`, `--host`, `--port`, `--grace`, `--child NAME CMD`,
-  and `--ready-child NAME CMD` for a process started once a router answers `--ready-path`);
+  `--ready-child NAME CMD` for a process started once a router answers `--ready-path`,
+  `--server-child NAME LOG CMD` for a real vLLM server in a process group of its own, and
+  `--url-child NAME URL CMD` for one started once URL answers, such as that server's agent);
 - `listener`: binds the one listening socket the router processes inherit and share;
 - `supervisor`: starts, watches and stops the children (SIGINT/SIGTERM reach every one);
 - `router`: the entry point of each router child (`python -m launcher.router --fd N`),

@@ -1,5 +1,5 @@
 """The launcher's command line: how many routers, where they listen, how long open streams
-get on stop, and the other processes to run once (Celery, the demo fleet).
+get on stop, and the other processes to run once (Celery, the demo fleet, real vLLM servers).
 
 `manage.py serve` writes this command line; run by hand it is `python -m launcher --help`.
 """
@@ -22,6 +22,13 @@ class Child:
     # Started once a router answers the plan's ready_path: a process that talks to the
     # router (an agent registering) would otherwise start by warning it is unreachable.
     after_ready: bool = False
+    # Started once this URL answers 200: an agent whose vLLM server takes a minute to load
+    # would otherwise fail to register (and say so) every few seconds meanwhile.
+    wait_url: str | None = None
+    # A process group of its own, which SIGTERM and the last SIGKILL reach as a whole: vLLM
+    # runs its engine in a child process that must not outlive the server.
+    group: bool = False
+    log: str | None = None  # its output appended here rather than to the console
 
 
 @dataclass(frozen=True)
@@ -42,9 +49,18 @@ def plan_from_args(argv: Sequence[str], environ: Mapping[str, str] = os.environ)
         # Several routers share prefix knowledge, load and admission limits through Redis;
         # without it each would route on its own view, which is not what was asked for.
         parser.error(f"--routers {args.routers} needs REDIS_URL (the routers share state there)")
-    children = tuple(Child(name, tuple(shlex.split(line))) for name, line in args.child) + tuple(
-        Child(name, tuple(shlex.split(line)), after_ready=True) for name, line in args.ready_child
-    )
+    children = (
+        *(Child(name, tuple(shlex.split(line))) for name, line in args.child),
+        *(Child(name, tuple(shlex.split(line)), group=True, log=log)
+          for name, log, line in args.server_child),
+        *(Child(name, tuple(shlex.split(line)), after_ready=True)
+          for name, line in args.ready_child),
+        *(Child(name, tuple(shlex.split(line)), wait_url=url)
+          for name, url, line in args.url_child),
+    )  # fmt: skip
+    for child in children:
+        if child.wait_url and not child.wait_url.startswith("http://"):
+            parser.error(f"--url-child {child.name}: {child.wait_url} is not an http:// URL")
     return Plan(args.routers, args.host, args.port, args.grace, children, args.ready_path)
 
 
@@ -84,6 +100,24 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar=("NAME", "COMMAND"),
         help="another process to run once, as one shell-quoted command line (repeatable)",
+    )
+    parser.add_argument(
+        "--server-child",
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("NAME", "LOG", "COMMAND"),
+        help="like --child, in a process group of its own that SIGTERM reaches as a whole "
+        "(a vLLM server and its engine processes), its output appended to LOG (repeatable)",
+    )
+    parser.add_argument(
+        "--url-child",
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("NAME", "URL", "COMMAND"),
+        help="like --child, started once URL (http://) answers 200, e.g. a worker agent "
+        "waiting for its vLLM server (repeatable)",
     )
     return parser
 

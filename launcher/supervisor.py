@@ -8,10 +8,17 @@ last drain still finds a router; routers then stop accepting
 and give open streams `--grace` seconds, and whatever is still running `STOP_MARGIN_SECONDS`
 after that is killed. Each router child is told its place through the environment:
 `CONTROLPANEL_ROUTER_INDEX` (0 to N-1) and `CONTROLPANEL_ROUTERS` (N).
+
+A server child (`--server-child`, a real vLLM server) runs in a process group of its own:
+SIGTERM and the last SIGKILL go to the whole group, since vLLM's engine runs in a process of
+its own that would otherwise outlive it, holding gigabytes; it is also asked to get SIGTERM
+should the supervisor itself die without stopping it. A `--url-child` (the server's worker
+agent) starts once its URL answers, and is stopped first, with the routers' other clients.
 """
 
 from __future__ import annotations
 
+import ctypes
 import http.client
 import os
 import signal
@@ -20,22 +27,38 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import FrameType
+from urllib.parse import urlsplit
 
 from launcher.listener import ListenError, listener_bind
-from launcher.plan import Plan, plan_from_args
+from launcher.plan import Child, Plan, plan_from_args
 
 # Children get this long after SIGTERM beyond the routers' own grace for open streams.
 STOP_MARGIN_SECONDS = 5.0
 POLL_SECONDS = 0.2
 READY_TIMEOUT_SECONDS = 60.0
+URL_POLL_SECONDS = 1.0  # how often a --url-child's URL is asked while it is not answering
+LOG_TAIL_LINES = 15  # of a server child's log, shown when it dies
+GROUP_GONE_SECONDS = 5.0  # how long the killed rest of a server's group is waited for
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@dataclass
+class Running:
+    name: str
+    proc: subprocess.Popen[bytes]
+    group: bool = False  # signalled as a process group (a server child)
+    log: str | None = None
 
 
 class Supervisor:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.children: list[Running] = []
         self._clients: set[str] = set()  # started once the routers answered: they use them
+        self._waiting: list[Child] = []  # --url-child processes whose URL has not answered
+        self._started = time.monotonic()
         self.stopping = False
 
     def run(self) -> int:
@@ -53,14 +76,15 @@ class Supervisor:
             # Only the routers hold the socket now: once they have all stopped accepting,
             # new connections are refused rather than left waiting in the backlog.
             for child in self.plan.children:
-                if not child.after_ready:
-                    self._spawn(child.name, list(child.command))
+                if not child.after_ready and not child.wait_url:
+                    self._start(child)
             waiting = [child for child in self.plan.children if child.after_ready]
             if waiting and self.plan.ready_path and not self._routers_ready(self.plan.ready_path):
                 return 0 if self.stopping else 1
             for child in waiting:
-                self._spawn(child.name, list(child.command))
+                self._start(child)
                 self._clients.add(child.name)
+            self._waiting = [child for child in self.plan.children if child.wait_url]
             return self._supervise()
         finally:
             self._stop_children()
@@ -89,7 +113,25 @@ class Supervisor:
         env: dict[str, str] | None = None,
         pass_fds: Sequence[int] = (),
     ) -> None:
-        self.children.append((name, subprocess.Popen(command, env=env, pass_fds=pass_fds)))
+        self.children.append(Running(name, subprocess.Popen(command, env=env, pass_fds=pass_fds)))
+
+    def _start(self, child: Child) -> None:
+        if not child.group:
+            self._spawn(child.name, list(child.command))
+            return
+        log = open(child.log, "ab") if child.log else None  # noqa: SIM115 - the child's now
+        try:
+            proc = subprocess.Popen(
+                list(child.command),
+                stdout=log,
+                stderr=subprocess.STDOUT if log else None,
+                start_new_session=True,
+                preexec_fn=_terminate_with_parent,
+            )
+        finally:
+            if log:
+                log.close()
+        self.children.append(Running(child.name, proc, group=True, log=child.log))
 
     def _routers_ready(self, path: str) -> bool:
         """Wait until a router answers 200 on path: False when a child died, or on a signal.
@@ -98,10 +140,8 @@ class Supervisor:
         host = "::1" if host == "::" else host
         deadline = time.monotonic() + READY_TIMEOUT_SECONDS
         while not self.stopping:
-            for name, child in self.children:
-                if child.poll() is not None:
-                    print(f"{name} exited with code {child.returncode}; stopping", file=sys.stderr)
-                    return False
+            if self._one_exited():
+                return False
             if _answers(host, self.plan.port, path):
                 return True
             if time.monotonic() > deadline:
@@ -112,34 +152,119 @@ class Supervisor:
         return False
 
     def _supervise(self) -> int:
+        next_ask = 0.0
         while not self.stopping:
-            for name, child in self.children:
-                if child.poll() is not None:
-                    print(f"{name} exited with code {child.returncode}; stopping", file=sys.stderr)
-                    return 1
+            if self._one_exited():
+                return 1
+            if self._waiting and time.monotonic() >= next_ask:
+                self._start_answered()
+                next_ask = time.monotonic() + URL_POLL_SECONDS
             time.sleep(POLL_SECONDS)
         return 0
+
+    def _one_exited(self) -> bool:
+        """Whether a child has exited, said with its name (and a server's last log lines)."""
+        for child in self.children:
+            if child.proc.poll() is not None:
+                print(f"{child.name} exited with code {child.proc.returncode}; stopping",
+                      file=sys.stderr)  # fmt: skip
+                if child.log:
+                    print(f"--- the end of {child.log} ---\n{_tail(child.log)}", file=sys.stderr)
+                return True
+        return False
+
+    def _start_answered(self) -> None:
+        """Start the --url-child processes whose URL answers now; they are routers' clients
+        (a worker agent), stopped first."""
+        for child in list(self._waiting):
+            assert child.wait_url is not None
+            url = urlsplit(child.wait_url)
+            if _answers(url.hostname or "127.0.0.1", url.port or 80, url.path or "/"):
+                seconds = time.monotonic() - self._started
+                print(f"{child.wait_url} answered after {seconds:.0f} s: starting {child.name}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                self._waiting.remove(child)
+                self._start(child)
+                self._clients.add(child.name)
 
     def _stop_children(self) -> None:
         """The routers' clients first (worker agents drain their workers through a router,
         and must not find it gone), then everything else."""
-        clients = [(n, c) for n, c in self.children if n in self._clients]
-        self._stop(clients, STOP_MARGIN_SECONDS)
-        rest = [(n, c) for n, c in self.children if n not in self._clients]
+        self._stop([c for c in self.children if c.name in self._clients], STOP_MARGIN_SECONDS)
+        rest = [c for c in self.children if c.name not in self._clients]
         self._stop(rest, self.plan.grace + STOP_MARGIN_SECONDS)
 
-    def _stop(self, children: list[tuple[str, subprocess.Popen[bytes]]], seconds: float) -> None:
-        for _, child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
+    def _stop(self, children: list[Running], seconds: float) -> None:
+        for child in children:
+            if child.proc.poll() is None:
+                _signal(child, signal.SIGTERM)
         deadline = time.monotonic() + seconds
-        for name, child in children:
+        for child in children:
             try:
-                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                print(f"{name} did not stop in time; killing it", file=sys.stderr)
-                child.kill()
-                child.wait()
+                print(f"{child.name} did not stop in time; killing it", file=sys.stderr)
+                _signal(child, signal.SIGKILL)
+                child.proc.wait()
+            if child.group:  # what its leader left behind (an engine process), if anything
+                _signal(child, signal.SIGKILL)
+                _wait_group_gone(child.proc.pid)
+
+
+def _signal(child: Running, sig: signal.Signals) -> None:
+    try:
+        if child.group:
+            os.killpg(child.proc.pid, sig)  # the group's id is its leader's pid
+        else:
+            child.proc.send_signal(sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # gone already
+
+
+def _wait_group_gone(pgid: int, seconds: float = GROUP_GONE_SECONDS) -> None:
+    """Until no process of the group is left running: they are not this process's children
+    to wait for, and SIGKILL takes effect when the kernel gets to it, so without this serve
+    could exit while an engine process still holds its memory."""
+    deadline = time.monotonic() + seconds
+    while _group_running(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of the group runs (zombies, reaped by init later, do not count);
+    False where there is no /proc to read."""
+    for stat in _proc_stats():
+        try:
+            with open(stat) as handle:
+                state_and_after = handle.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(state_and_after[2]) == pgid and state_and_after[0] != "Z":
+            return True
+    return False
+
+
+def _proc_stats() -> list[str]:
+    try:
+        return [f"/proc/{entry}/stat" for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return []
+
+
+def _terminate_with_parent() -> None:
+    """In a server child before it runs: SIGTERM should the supervisor die (even SIGKILLed),
+    so a real vLLM server, gigabytes of memory, is not left running alone."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as log:
+            log.seek(max(0, os.path.getsize(path) - 64 * 1024))  # vLLM's logs grow long
+            return "\n".join(log.read().decode(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 def _answers(host: str, port: int, path: str) -> bool:

@@ -4,8 +4,10 @@ Migrates, makes a first admin and prints where to log in, then hands over to the
 (`python -m launcher`, which loads no Django): it runs `--routers N` router processes
 (uvicorn) on the one port, a Celery worker with beat, and with `--demo N` a small simulated
 fleet: N simulated vLLM workers, each joined by its own worker agent (as real vLLM servers
-would be), plus light client traffic so queues and in-flight counts move. Ctrl-C or SIGTERM
-stops every child; if one dies, the others are stopped too rather than limping on.
+would be), plus light client traffic so queues and in-flight counts move. `--demo-real N`
+runs N real vLLM servers on the CPU instead (SmolLM2-135M, kv_aware on their KV events;
+controlpanel.console.real_demo). Ctrl-C or SIGTERM stops every child; if one dies, the
+others are stopped too rather than limping on.
 
 Several routers share prefix knowledge, load and admission limits through Redis, so
 `--routers N` with N > 1 is refused without `REDIS_URL`, and `--routers auto` (one per core)
@@ -26,6 +28,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections
 
+from controlpanel.console import real_demo
 from controlpanel.registry import accounts
 from controlpanel.registry.models import Alias
 from controlpanel.rollouts import aliases
@@ -39,6 +42,10 @@ DEMO_MODELS = [
 # Simulated GPUs per demo worker, as tensor-parallel sizes: one strip of two, one of one.
 DEMO_GPUS = (2, 2, 1)
 DEMO_ALIAS = "chat"
+DEMO_BASE_PORT = 18101
+DEMO_TRAFFIC_RPS = 2.0
+# A real CPU worker answers a turn in a second or more: a gentler client keeps queues short.
+REAL_DEMO_TRAFFIC_RPS = 0.5
 CELERY_ROOT_WARNING = "You're running the worker with superuser privileges"
 
 # (name, command line, whether it waits for a router to answer), for the launcher to run once
@@ -63,20 +70,36 @@ class Command(BaseCommand):
         parser.add_argument(
             "--demo", type=int, default=0, metavar="N", help="also run N simulated vLLM workers"
         )
-        parser.add_argument("--demo-base-port", type=int, default=18101)
+        parser.add_argument(
+            "--demo-real",
+            type=int,
+            default=None,
+            metavar="N",
+            help="also run N real vLLM servers on the CPU (SmolLM2-135M, about 3.5 GiB of "
+            "memory and a minute to start each; the first run builds vLLM's venv, ~5 min)",
+        )
+        parser.add_argument(
+            "--demo-base-port",
+            type=int,
+            default=None,
+            help=f"the demo workers' first port (default {DEMO_BASE_PORT}; "
+            f"{real_demo.DEFAULT_BASE_PORT} for --demo-real)",
+        )
         parser.add_argument(
             "--demo-traffic",
             type=float,
-            default=2.0,
+            default=None,
             metavar="RPS",
-            help="requests per second the demo client sends (0: none)",
+            help=f"requests per second the demo client sends (0: none; default "
+            f"{DEMO_TRAFFIC_RPS}, {REAL_DEMO_TRAFFIC_RPS} for --demo-real)",
         )
         parser.add_argument("--no-celery", action="store_true", help="run no Celery worker")
 
     def handle(self, *args: Any, **options: Any) -> None:
         routers = self._router_count(options["routers"])
+        real = self._real_count(options)  # refused here, before anything is started
         call_command("migrate", interactive=False, verbosity=0)
-        env = self._child_env(demo=options["demo"] > 0)
+        env = self._child_env(demo=options["demo"] > 0 or real > 0)
         base = self._announce(options["host"], options["port"], routers)
         children: Children = []
         if not options["no_celery"]:
@@ -91,7 +114,48 @@ class Command(BaseCommand):
         if options["demo"]:
             children += self._demo_children(options, base)
             self._demo_alias()
-        self._launch(options, routers, children, env)
+        extra = self._real_demo_args(options, base, real) if real else []
+        self._launch(options, routers, children, env, extra)
+
+    def _real_count(self, options: dict[str, Any]) -> int:
+        count = options["demo_real"]
+        if count is None:
+            return 0
+        if options["demo"]:
+            raise CommandError("--demo and --demo-real are two demos: choose one")
+        refusal = real_demo.real_demo_refusal(count)
+        if refusal:
+            raise CommandError(refusal)
+        return int(count)
+
+    def _real_demo_args(self, options: dict[str, Any], base: str, count: int) -> list[str]:
+        """Build (once) what the real servers run, set the model up, plan the processes."""
+        ports = real_demo.real_demo_ports(
+            count, options["demo_base_port"] or real_demo.DEFAULT_BASE_PORT
+        )
+
+        def say(line: str) -> None:
+            self.stdout.write(line + "\n")
+            self.stdout.flush()  # before minutes of building
+
+        fleet = real_demo.real_demo_prepare(models_dir=settings.VAR_DIR / "models", say=say)
+        real_demo.real_demo_model(fleet=fleet)
+        rps = options["demo_traffic"]
+        args = real_demo.real_demo_launch_args(
+            fleet=fleet,
+            ports=ports,
+            controller=base,
+            manage=settings.BASE_DIR / "manage.py",
+            log_dir=settings.VAR_DIR,
+            traffic_rps=REAL_DEMO_TRAFFIC_RPS if rps is None else rps,
+        )
+        for index, (port, _, _) in enumerate(ports, start=1):
+            say(f"Starting real vLLM worker {index}/{count} on :{port} "
+                f"(log: {settings.VAR_DIR / f'vllm-real-{index}.log'})…")  # fmt: skip
+        workers = "1 real vLLM worker serves" if count == 1 else f"{count} real vLLM workers serve"
+        say(f"Demo: {workers} {real_demo.MODEL_NAME} (kv_aware). Each needs a minute or more "
+            "to load; its agent registers it once it answers.")  # fmt: skip
+        return args
 
     def _router_count(self, value: str) -> int:
         """--routers as a number; more than one only with Redis, where the routers share
@@ -156,7 +220,8 @@ class Command(BaseCommand):
     def _demo_children(self, options: dict[str, Any], base: str) -> Children:
         python, manage = sys.executable, str(settings.BASE_DIR / "manage.py")
         children: Children = []
-        http_ports = [options["demo_base_port"] + index for index in range(options["demo"])]
+        first = options["demo_base_port"] or DEMO_BASE_PORT
+        http_ports = [first + index for index in range(options["demo"])]
         # Each engine publishes its KV cache events, as vLLM with --kv-events-config, and
         # keeps a replay socket: the worker pages show the routers' streams, and kv_aware
         # routes on them. The ports after the HTTP ones when they are free (a fixed range is
@@ -182,11 +247,12 @@ class Command(BaseCommand):
                   "--kv-events-replay", f"tcp://127.0.0.1:{replay}"],
                  True),  # it registers with the router: once that answers
             )  # fmt: skip
-        if options["demo_traffic"] > 0:
+        rps = DEMO_TRAFFIC_RPS if options["demo_traffic"] is None else options["demo_traffic"]
+        if rps > 0:
             children.append(
                 ("demo-traffic",
-                 [python, "-m", "simulator.demo_traffic", "--url", base,
-                  "--rps", str(options["demo_traffic"])], True),
+                 [python, "-m", "simulator.demo_traffic", "--url", base, "--rps", str(rps)],
+                 True),
             )  # fmt: skip
         self.stdout.write(f"Demo: {options['demo']} simulated workers join through agents.\n")
         return children
@@ -202,16 +268,23 @@ class Command(BaseCommand):
             )
 
     def _launch(
-        self, options: dict[str, Any], routers: int, children: Children, env: dict[str, str]
+        self,
+        options: dict[str, Any],
+        routers: int,
+        children: Children,
+        env: dict[str, str],
+        extra: list[str],
     ) -> None:
         """Become the launcher (same pid): it binds the port and runs every child, and none
-        of Django's memory stays behind in the supervisor."""
+        of Django's memory stays behind in the supervisor. `extra`: launcher arguments
+        as they are (the real demo's)."""
         command = [sys.executable, "-m", "launcher", "--routers", str(routers),
                    "--host", options["host"], "--port", str(options["port"]),
                    "--grace", str(settings.ROUTER_SHUTDOWN_GRACE),
                    "--ready-path", "/health"]  # fmt: skip
         for name, argv, waits in children:
             command += ["--ready-child" if waits else "--child", name, shlex.join(argv)]
+        command += extra
         connections.close_all()
         self.stdout.flush()
         sys.stdout.flush()

@@ -66,8 +66,10 @@ vllm-env:
 	bash harness/vllm_env/install.sh
 
 # The real-vLLM tier: two real vLLM servers behind the real router (tests/realvllm).
+# A test's ceiling covers the session's first one, which waits for both servers to start
+# (about a minute alone, several on a loaded 2-core machine).
 test-real-vllm: install vllm-env
-	CONTROLPANEL_REAL_VLLM=1 $(PY) -m pytest tests/realvllm -p no:xdist
+	CONTROLPANEL_REAL_VLLM=1 $(PY) -m pytest tests/realvllm -p no:xdist --timeout 900
 
 lint: install
 	$(VENV)/bin/ruff check .

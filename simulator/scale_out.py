@@ -6,7 +6,8 @@ server answered.
   template and tokenize without running the model: a ``GenerateRequest`` (a list of them for
   completions, one per prompt, ids suffixed ``-0``, ``-1`` when there are several) with the
   prompt's ``token_ids`` and the ``sampling_params`` the request would run with (a chat's
-  ``max_tokens`` defaults to the room the prompt leaves, a completion's is left out);
+  ``max_tokens`` defaults to the room the prompt leaves, a completion's is left out; with
+  tools, ``skip_special_tokens: false``, which a tool parser asks for);
 * ``/v1/chat/completions/batch``: several conversations (``messages`` a list of lists), one
   choice each, answered whole, usage summed, ``prompt_tokens_details`` null;
 * ``/inference/v1/generate``: token ids in (``token_ids``, ``sampling_params``), token ids out,
@@ -67,6 +68,14 @@ def _sampling(data: dict[str, Any], max_tokens: int | None, stream: bool) -> dic
     params["stop_token_ids"] = []
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
+    choice = data.get("tool_choice")
+    if (
+        data.get("tools")
+        and choice != "none"
+        and not (isinstance(choice, dict) and choice.get("type") == "none")
+    ):
+        # What the tool parser asks for (hermes, the real-vLLM tier's): its tags kept.
+        params["skip_special_tokens"] = False
     params.update(output_kind=1 if stream else 2, skip_clone=True, bad_words=[])
     params["skip_reading_prefix_cache"] = False
     return params

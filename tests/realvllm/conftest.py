@@ -53,6 +53,9 @@ def start_pair(log_dir: Path) -> list[RealWorker]:
             "--num-gpu-blocks-override", str(CACHE_BLOCKS),
             "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
             "--lora-modules", f"{LORA}={model / 'lora-a'}",
+            # Claude Code's tools on /v1/messages, whose tool_choice is auto by default
+            # (tests/realvllm/test_real_agent_routes.py; --enable-scale-out: server_args).
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
         ]  # fmt: skip
         args = server_args(
             model, MODEL, port, kv_port=kv_port, replay_port=replay_port,

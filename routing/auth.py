@@ -157,8 +157,8 @@ class ClientGate:
         self._tokens: dict[int, TokenBucket] = {}
 
     def authenticate(self, scope: Scope, keys: Mapping[str, ClientKey]) -> ClientKey | Refusal:
-        """The caller's key from `Authorization: Bearer`, which is removed from the request
-        so the client's secret never travels on to a worker."""
+        """The caller's key from `Authorization: Bearer` (or Anthropic's `x-api-key`), which
+        is removed from the request so the client's secret never travels on to a worker."""
         token = _take_bearer(scope)
         if not token:
             return NO_KEY
@@ -265,13 +265,21 @@ def _budget_refusal(key: ClientKey, spent: Exhausted, now: datetime) -> Refusal:
     )
 
 
+# Anthropic's clients (Claude Code's ANTHROPIC_API_KEY, the SDK's api_key) send the key as
+# `x-api-key`; `Authorization: Bearer` wins when both come. Neither travels on.
+_KEY_HEADERS = (b"authorization", b"x-api-key")
+
+
 def _take_bearer(scope: Scope) -> str | None:
     headers = scope["headers"]
-    kept = [(name, value) for name, value in headers if name != b"authorization"]
+    kept = [(name, value) for name, value in headers if name not in _KEY_HEADERS]
     if len(kept) == len(headers):
         return None
-    value = next(v for n, v in headers if n == b"authorization")
     scope["headers"] = kept
+    value = next((v for n, v in headers if n == b"authorization"), None)
+    if value is None:
+        key: bytes = next(v for n, v in headers if n == b"x-api-key")
+        return key.decode("latin-1").strip()
     scheme, _, token = value.decode("latin-1").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
 

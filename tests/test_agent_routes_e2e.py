@@ -157,7 +157,8 @@ def test_keyed_refusals_are_anthropic_errors_and_streamed_messages_are_counted(
     simulator: StartSimulator,
 ) -> None:
     everything = issue(keyed_router, "ops")
-    add_keyed_worker(keyed_router, simulator("m"), everything)
+    sim = simulator("m")
+    add_keyed_worker(keyed_router, sim, everything)
     with pytest.raises(anthropic.AuthenticationError) as refused:
         claude(keyed_router, "sk-wrong-key-0000000000").messages.create(**AGENT_TURN)
     assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
@@ -165,7 +166,13 @@ def test_keyed_refusals_are_anthropic_errors_and_streamed_messages_are_counted(
     client = claude(keyed_router, team)
     with client.messages.stream(**AGENT_TURN) as stream:
         usage = stream.get_final_message().usage
-    whole = client.messages.create(**AGENT_TURN)
+    # The SDK's api_key (Claude Code's ANTHROPIC_API_KEY) comes as x-api-key, never forwarded.
+    x_api_key = anthropic.Anthropic(base_url=keyed_router.url, api_key=team, max_retries=0)
+    whole = x_api_key.messages.create(**AGENT_TURN)
+    sent = [r["headers"] for r in sim.state.requests if r["path"] == "/v1/messages"]
+    assert len(sent) == 2 and not any(
+        name.lower() in ("authorization", "x-api-key") for headers in sent for name in headers
+    )
     with pytest.raises(anthropic.RateLimitError) as limited:
         client.messages.create(**AGENT_TURN)
     assert limited.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]

@@ -40,13 +40,18 @@ from simulator.kv_publisher import KvEventPublisher
 __all__ = ["RunningSimulator", "build_app", "run_simulator", "start_simulator"]
 
 
+_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's GUARDED_PREFIX
+
+
 def _api_key_middleware(key: str) -> Any:
-    """vLLM's AuthenticationMiddleware: /v1 paths need the key; /health, /metrics do not."""
+    """vLLM's AuthenticationMiddleware: /v1, /v2, /inference and /cohere paths need the key;
+    /health, /metrics do not."""
     expected = f"Bearer {key}"
 
     @web.middleware
     async def check(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path.startswith("/v1") and request.headers.get("Authorization") != expected:
+        guarded = request.path.startswith(_GUARDED_PREFIXES)
+        if guarded and request.headers.get("Authorization") != expected:
             return web.json_response({"error": "Unauthorized"}, status=401)
         response: web.StreamResponse = await handler(request)
         return response

@@ -30,8 +30,8 @@ from aiohttp import web
 
 import simulator.anthropic as anthropic
 import simulator.endpoints as endpoints
-import simulator.scale_out as scale_out
 import simulator.responses_api as responses_api
+import simulator.scale_out as scale_out
 from simulator.config import SimConfig
 from simulator.engine import SIM_KEY, Simulator
 from simulator.generation import chat_completions, completions
@@ -73,6 +73,9 @@ def _add_routes(router: web.UrlDispatcher) -> None:
     router.add_post("/v1/chat/completions", chat_completions)
     router.add_post("/v1/completions", completions)
     router.add_post("/v1/embeddings", endpoints.embeddings)
+    router.add_post("/v1/responses", responses_api.create_response)
+    router.add_get("/v1/responses/{response_id}", responses_api.get_response)
+    router.add_post("/v1/responses/{response_id}/cancel", responses_api.cancel_response)
     router.add_post("/v1/messages", anthropic.messages)
     router.add_post("/v1/messages/count_tokens", anthropic.count_tokens)
     router.add_post("/v1/messages/render", scale_out.render_messages)
@@ -80,9 +83,6 @@ def _add_routes(router: web.UrlDispatcher) -> None:
     router.add_post("/v1/completions/render", scale_out.render_completions)
     router.add_post("/v1/chat/completions/batch", scale_out.batch)
     router.add_post("/inference/v1/generate", scale_out.generate)
-    router.add_post("/v1/responses", responses_api.create_response)
-    router.add_get("/v1/responses/{response_id}", responses_api.get_response)
-    router.add_post("/v1/responses/{response_id}/cancel", responses_api.cancel_response)
     router.add_post("/tokenize", endpoints.tokenize)
     router.add_post("/detokenize", endpoints.detokenize)
     router.add_post("/v1/load_lora_adapter", endpoints.load_lora)

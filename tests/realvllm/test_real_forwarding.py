@@ -30,7 +30,9 @@ def direct(real: RealWorker) -> openai.OpenAI:
 def test_routed_answers_equal_direct_ones_streamed_and_not(
     router: RouterServer, client: openai.OpenAI, vllm_pair: list[RealWorker], model: str
 ) -> None:
-    register(router, vllm_pair, events=False)
+    # One worker: the tiny model's random weights leave near ties between its top tokens,
+    # which two servers under different batching may break apart even at temperature 0.
+    register(router, vllm_pair[:1], events=False)
     ask = {"model": model, "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
     want = direct(vllm_pair[0]).chat.completions.create(**ask)  # type: ignore[call-overload]
     got = client.chat.completions.create(**ask)  # type: ignore[call-overload]
@@ -42,7 +44,7 @@ def test_routed_answers_equal_direct_ones_streamed_and_not(
     text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
     assert text == want.choices[0].message.content
     completion = {"model": model, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
-    want_text = direct(vllm_pair[1]).completions.create(**completion).choices[0].text
+    want_text = direct(vllm_pair[0]).completions.create(**completion).choices[0].text
     assert client.completions.create(**completion).choices[0].text == want_text
 
 

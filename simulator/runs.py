@@ -1,8 +1,8 @@
-"""Running one generation :class:`~simulator.engine.Job` through the engine for the routes that
-answer in other shapes than chat and text completions (Anthropic's ``/v1/messages``, the batch
-route, the token-in ``/inference/v1/generate``): admitted, prefilled, decoded one token every
-``itl_ms``, then answered whole, or streamed as the route's own :class:`Frames` write it. A
-disconnect cancels the job at once, as in :mod:`simulator.generation`."""
+"""Running one generation :class:`~simulator.engine.Job` through the engine, for every route that
+generates (chat and text completions, Anthropic's ``/v1/messages``, the batch route, the
+token-in ``/inference/v1/generate``): its length checked by vLLM's rules, admitted,
+prefilled, decoded one token every ``itl_ms``, then answered whole, or streamed as the
+route's own :class:`Frames` write it. A disconnect cancels the job at once."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from simulator.engine import Job, Simulator
-from simulator.generation import checked_length
 from simulator.responses import SSE_HEADERS
 from simulator.tokens import parse_max_tokens
+from simulator.wire import validation_error
 
-__all__ = ["Frames", "make_job", "run_stream", "run_whole"]
+__all__ = ["Frames", "checked_length", "make_job", "run_stream", "run_whole"]
 
 
 class Frames(Protocol):
@@ -26,6 +26,30 @@ class Frames(Protocol):
     def first(self) -> bytes: ...
 
     def token(self, i: int) -> bytes: ...
+
+
+def checked_length(n: int, max_tokens: int, limit: int, param: str) -> int:
+    """vLLM 0.32's length rules (vllm/renderers/params.py, get_max_tokens): a prompt past the
+    limit is refused ("at least" when it was cut one token past it, as vLLM's tokenizer
+    cuts a text), so is a `max_tokens` past the limit itself; any other `max_tokens` is
+    clamped to the room the prompt leaves."""
+    if n > limit:
+        qualifier = "at least " if n == limit + 1 else ""
+        raise validation_error(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"contains {qualifier}{n} input tokens, which exceeds this limit even without any "
+            "output tokens. Please reduce the length of the input prompt.",
+            "input_tokens",
+            n,
+        )
+    if max_tokens > limit:
+        raise validation_error(
+            f"{param}={max_tokens} cannot be greater than max_model_len={limit}. Please "
+            "request fewer output tokens.",
+            param,
+            max_tokens,
+        )
+    return min(max_tokens, limit - n)
 
 
 def make_job(

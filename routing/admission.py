@@ -8,12 +8,13 @@ Redis, each router admits against the lease it holds on its share of each limit
 without Redis (or while Redis is down) each router process admits against the whole limit.
 
 Every request carries a `Ticket`: its priority class (routing.priority), its flow (the
-client key's id; 0 without keys) and the flow's weight. A request that finds no room:
+client key's id; 0 without keys), the flow's weight and its session (routing.sessions),
+which orders the key's turns among its sessions. A request that finds no room:
 
 * `critical` and `standard` wait in the model's routing.fair_queue: critical ahead of
-  standard, and within a class the keys share the turns by weight. While anyone of its own
-  class or higher waits, a newcomer queues behind them rather than overtake; a critical
-  request passes waiting standard ones.
+  standard, within a class the keys share the turns by weight, and each key's sessions
+  share its turns equally. While anyone of its own class or higher waits, a newcomer
+  queues behind them rather than overtake; a critical request passes waiting standard ones.
 * `sheddable` is shed at once (429 with Retry-After): it never waits, so a flood of it
   cannot hold queue places that better requests need.
 
@@ -59,14 +60,16 @@ CRITICAL_RANK, STANDARD_RANK, SHEDDABLE_RANK = (RANK[p] for p in PRIORITIES)
 
 @dataclass(slots=True)
 class Ticket:
-    """Who is asking: the class's rank (0: critical), the flow and its weight. `refused`
-    says why acquire answered None: "shed", "queue_full" or "queue_timeout"."""
+    """Who is asking: the class's rank (0: critical), the flow and its weight, and the
+    session within the flow (routing.sessions; None: none). `refused` says why acquire
+    answered None: "shed", "queue_full" or "queue_timeout"."""
 
     rank: int = RANK[STANDARD]
     flow: int = 0
     weight: float = 1.0
     reserve: float = 0.2  # the model's priority_reserve
     refused: str = ""
+    session: str | None = None
 
 
 def _counts() -> list[int]:
@@ -148,7 +151,7 @@ class Admission:
         deadline = loop.time() + self.queue_timeout
         queue = self.queues[model]
         turn: asyncio.Future[None] = loop.create_future()
-        waiter = queue.join(ticket.rank, ticket.flow, ticket.weight, turn)
+        waiter = queue.join(ticket.rank, ticket.flow, ticket.weight, turn, ticket.session)
         try:
             while True:
                 try:
@@ -157,6 +160,7 @@ class Admission:
                     return None
                 worker = self._room(model, workers, model_limit, choose, inflight, ticket)
                 if worker is not None:
+                    queue.admitted(waiter)
                     return worker
                 turn = loop.create_future()
                 queue.rejoin(waiter, turn)  # woken too early: keep the place at the head

@@ -152,7 +152,7 @@ def plain_requests(_calls: int) -> list[RequestInfo]:
 
 def session_request(key: str) -> RequestInfo:
     headers = ((b"content-type", b"application/json"), (b"x-session-id", key.encode()))
-    return RequestInfo(model="bench", body={"model": "bench"}, raw_headers=headers)
+    return RequestInfo(model="bench", body={"model": "bench"}, raw_headers=headers, session=key)
 
 
 def session_pool(_calls: int) -> list[RequestInfo]:

@@ -53,6 +53,7 @@ def router_config() -> RouterConfig:
         load_report_max_age=settings.ROUTER_LOAD_REPORT_MAX_AGE,
         load_push=settings.ROUTER_LOAD_PUSH,
         kv_index_max_blocks=settings.ROUTER_KV_INDEX_MAX_BLOCKS,
+        session_sources=settings.ROUTER_SESSION_SOURCES,
     )
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
+from routing.sessions import parse_sources
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -78,3 +80,13 @@ def env_url(name: str, default: str, *, schemes: tuple[str, ...]) -> str:
         allowed = ", ".join(f"{s}://" for s in schemes)
         raise ImproperlyConfigured(f"{name}={value!r} must start with one of {allowed}")
     return value
+
+
+def env_session_sources(name: str) -> tuple[str, ...]:
+    """Where the router reads a request's session key, in order (routing.sessions): header
+    names, comma-separated, `body:user` for the OpenAI `user` field; unset: the default."""
+    raw = os.environ.get(name)
+    try:
+        return parse_sources(raw)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name}={raw!r}: {exc}") from exc

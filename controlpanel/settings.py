@@ -13,7 +13,15 @@ import dj_database_url
 import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
-from controlpanel.envconf import env_bool, env_float, env_int, env_str, env_token, env_url
+from controlpanel.envconf import (
+    env_bool,
+    env_float,
+    env_int,
+    env_session_sources,
+    env_str,
+    env_token,
+    env_url,
+)
 
 # Lets admin classes be written ModelAdmin[Worker] at run time, as the type checker wants.
 django_stubs_ext.monkeypatch()
@@ -245,6 +253,11 @@ ROUTER_KV_INDEX_MAX_BLOCKS = env_int("CONTROLPANEL_KV_INDEX_MAX_BLOCKS", 500_000
 ROUTER_SHUTDOWN_GRACE = env_int("CONTROLPANEL_SHUTDOWN_GRACE", 30, minimum=0)
 ROUTER_BODY_TIMEOUT = env_float("CONTROLPANEL_BODY_TIMEOUT", 30.0, minimum=0.1)
 ROUTER_SNAPSHOT_POLL_SECONDS = env_float("CONTROLPANEL_SNAPSHOT_POLL", 0.25, minimum=0.01)
+# Where a request's session key is read, first found wins (routing.sessions): it keeps a
+# session on its worker and alias target, and shares a key's fair-queue turns between its
+# sessions. Default: X-Session-ID, x-claude-code-session-id (Claude Code),
+# x-session-affinity (OpenCode), session-id and session_id (Codex), then body:user.
+ROUTER_SESSION_SOURCES = env_session_sources("CONTROLPANEL_SESSION_HEADERS")
 
 # One line format for every process `serve` runs (launcher.router gives uvicorn the same).
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

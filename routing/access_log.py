@@ -10,6 +10,8 @@ what happened and never with what was asked: no prompt text, and of the client's
 its public prefix. `model` and `worker` are null where there is none, as on /health;
 `model` is the served model that answered, and `fallbacks` lists the moves from the name
 the client asked for to it (routing.fallbacks), null for a request that made none.
+`session` is the request's session (routing.sessions) as a hash of its key and the header
+it came from, null for a request without one.
 
 Where the lines go is logging's business (settings.LOGGING: stderr or a file). `SampleFilter`
 keeps a share of the successful requests' lines and every other one, for a busy router or
@@ -79,6 +81,8 @@ def write(scope: Scope, trace: RequestTrace, rid: bytes, worker: str) -> None:
         "key": None if key is None else key.prefix,
         "fallbacks": fallbacks.hops_of(scope),  # [{"from", "to", "reason"}], or null
         "pinned": scope.get(PINNED_SCOPE_KEY),  # {"response_id", "found_in", ...}, or null
+        # routing.sessions: {"hash", "from"}, never the key itself; null without a session.
+        "session": None if trace.session is None else trace.session.shown(),
     }
     log.info(orjson.dumps(line).decode(), extra={"status": line["status"]})
 

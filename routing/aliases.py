@@ -7,11 +7,12 @@ never sees the name behind the alias.
 
 Choosing the target:
 
-* With a session key (the X-Session-ID header, or the body's OpenAI `user` field) the choice
-  is weighted rendezvous hashing: each target scores weight / -ln(u), where u in (0, 1) is a
-  hash of the key and the target's name, and the highest score wins. The choice depends only
-  on the key and the weights, so every router process agrees, and raising one target's weight
-  only ever moves sessions *to* it: during a rollout a conversation changes version at most
+* With a session key (routing.sessions: the first of the configured session headers, or the
+  body's OpenAI `user` field, read once by the router) the choice is weighted rendezvous
+  hashing: each target scores weight / -ln(u), where u in (0, 1) is a hash of the key and
+  the target's name, and the highest score wins. The choice depends only on the key and the
+  weights, so every router process agrees, and raising one target's weight only ever moves
+  sessions *to* it: during a rollout a conversation changes version at most
   once, from the old to the new, however many steps the plan takes.
 * Without a key, a weighted random draw.
 
@@ -35,7 +36,6 @@ from typing import Any
 
 import orjson
 
-SESSION_HEADER = b"x-session-id"
 _HASH_SPAN = float(1 << 64)
 
 
@@ -78,15 +78,6 @@ def _rendezvous_score(key: str, target: str, weight: int) -> float:
     digest = blake2b(f"{key}\x00{target}".encode(), digest_size=8).digest()
     unit = (int.from_bytes(digest, "big") + 0.5) / _HASH_SPAN  # strictly inside (0, 1)
     return weight / -math.log(unit)
-
-
-def session_key(raw_headers: Any, body: Mapping[str, Any]) -> str | None:
-    """The X-Session-ID header, else the OpenAI `user` field; empty values are absent."""
-    for name, value in raw_headers:
-        if name == SESSION_HEADER and value:
-            return str(value.decode("latin-1"))
-    user = body.get("user")
-    return user if isinstance(user, str) and user else None
 
 
 _MODEL_KEY = rb'"model"\s*:\s*'

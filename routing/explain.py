@@ -3,7 +3,8 @@
 * **Per request.** A request with ``X-Route-Explain: 1`` gets an ``X-Route-Explain`` response
   header: compact JSON with the model asked for and the alias target, the policy and its
   decision (prefix, load, miss, affinity, overflow, kv, pending, fallback, turn, weighted,
-  two_choices), the chosen worker, up to 8 candidates with the numbers the policy used
+  two_choices), the session (a hash of its key and its header, routing.sessions), the
+  chosen worker, up to 8 candidates with the numbers the policy used
   (load; matched prefix bytes; session rank; KV usage and score; weight; admission room),
   and the attempts (each retry, and why it moved on), with `fallbacks` (from, to, reason)
   when the request moved on to another model or alias (routing.fallbacks). Allowed when
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import orjson
 
 from routing.policies.base import BasePolicy, RequestInfo
+from routing.sessions import Session, key_of
 from routing.snapshot import ModelRoute, WorkerView
 
 if TYPE_CHECKING:
@@ -68,8 +70,10 @@ def start(
     policy: BasePolicy,
     told_candidates: list[dict[str, Any]],
     admission: Mapping[int, bool] | None,
+    session: Session | None = None,
 ) -> dict[str, Any]:
-    """The explanation before the decision: what the policy saw."""
+    """The explanation before the decision: what the policy saw, and the session it
+    placed (a hash of its key, and its header: routing.sessions)."""
     candidates = told_candidates[:MAX_CANDIDATES]
     if admission is not None:
         names = {w.name: w.id for w in route.workers}
@@ -84,6 +88,7 @@ def start(
         "worker": None,
         "candidates": candidates,
         "attempts": [],
+        "session": None if session is None else session.shown(),
     }
 
 
@@ -120,15 +125,14 @@ def dry_run(
 ) -> dict[str, Any]:
     """What the router would do with this body now, changing nothing (no select, no
     counters, no prefix credit, nothing forwarded)."""
-    from routing.aliases import session_key  # a small module; kept local to stay light
-
     asked = payload.get("model")
     if not isinstance(asked, str) or not asked:
         raise ValueError("the request body needs a `model`")
     model = asked
+    session = app.sessions.read(headers, payload)
     alias = app.snapshot.aliases.get(asked)
     if alias is not None:
-        target = alias.choose(session_key(headers, payload))
+        target = alias.choose(key_of(session))
         if target is None:
             raise LookupError(f"the alias `{asked}` has no target")
         model = target
@@ -143,12 +147,13 @@ def dry_run(
         text = request_text(payload)
     # Tokens only as a local tokenizer makes them: a dry run sends nothing to a worker.
     tokens = app.tokens.local_only(route, payload) if policy.needs_request_tokens else None
-    request = RequestInfo(model=model, body=payload, raw_headers=headers, text=text, tokens=tokens)
+    request = RequestInfo(model, payload, headers, text, tokens, key_of(session))
     workers = app.ejector.routable(route.workers)
     told = policy.explain(workers, request, app.loads)
     explanation = start(
         asked=asked, model=model, route=route, policy=policy,
         told_candidates=told.candidates, admission=app.admission_room(route, workers),
+        session=session,
     )  # fmt: skip
     explanation["decision"] = told.decision if workers else "no_worker"
     explanation["worker"] = told.worker.name if told.worker is not None else None

@@ -86,6 +86,7 @@ from routing.vllm_metrics import vllm_families
 if TYPE_CHECKING:
     from routing.policies.base import BasePolicy
     from routing.proxy import RouterApp
+    from routing.sessions import Session
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 CLIENT_CLOSED = 499
@@ -119,7 +120,7 @@ _NOT_IN_NAME = re.compile(r"[^a-zA-Z0-9_]")
 class RequestTrace:
     """What one proxied request did, filled in as it goes and recorded once at its end."""
 
-    __slots__ = ("first_byte", "model", "request_id", "started", "status", "worker_id")
+    __slots__ = ("first_byte", "model", "request_id", "session", "started", "status", "worker_id")
 
     def __init__(self, started: float) -> None:
         self.started = started
@@ -128,6 +129,7 @@ class RequestTrace:
         self.status = 0  # 0: nothing sent yet
         self.first_byte: float | None = None
         self.request_id = b""  # routing.access_log; returned to the client on every answer
+        self.session: Session | None = None  # routing.sessions, for the access log
 
 
 class PlainHistogram:

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from routing import access_log, explain, fallbacks, listings, response_affinity
 from routing.admission import STANDARD_RANK, Admission, Ticket
-from routing.aliases import ModelNameRewriter, rewrite_request_model, session_key
+from routing.aliases import ModelNameRewriter, rewrite_request_model
 from routing.asgi_types import Receive, Scope, Send
 from routing.auth import SCOPE_KEY as AUTH_SCOPE_KEY
 from routing.auth import ClientGate, ClientKey, Refusal
@@ -52,6 +52,7 @@ from routing.priority import HEADER as PRIORITY_HEADER
 from routing.priority import UnknownClass, request_rank
 from routing.request_text import request_text
 from routing.responses import refuse, respond_error
+from routing.sessions import DEFAULT_SOURCES, Session, SessionReader, key_of
 from routing.shared_store import SharedStore
 from routing.snapshot import ModelRoute, Snapshot, WorkerView
 from routing.tokenize import RequestTokens, TokenizeCollector
@@ -187,6 +188,8 @@ class RouterConfig:
     load_report_max_age: float = DEFAULT_REPORT_MAX_AGE
     load_push: bool = True  # with redis_url: push in-flight changes (routing.load_push)
     kv_index_max_blocks: int = DEFAULT_MAX_BLOCKS_PER_WORKER  # per worker (routing.kv_index)
+    # Where a request's session key is read, in order (routing.sessions).
+    session_sources: tuple[str, ...] = DEFAULT_SOURCES
 
 
 def routes_here(path: str) -> bool:
@@ -242,6 +245,8 @@ class Exchange:
     weight: float = 1.0
     # routing.response_affinity: the worker holding the response a follow-up continues.
     pinned: response_affinity.Holder | None = None
+    # routing.sessions: read once, for affinity, the fair queue, the log and explanations.
+    session: Session | None = None
 
     def first_byte(self) -> None:
         self.trace.first_byte = perf_counter()
@@ -299,6 +304,7 @@ class RouterApp:
         )  # fmt: skip
         self._policies: dict[tuple[str, str, bytes], BasePolicy] = {}
         self._route_policies: dict[str, BasePolicy] = {}
+        self.sessions = SessionReader(self.config.session_sources)
 
     def install(self, snapshot: Snapshot) -> None:
         """Swap in a new snapshot, resolving each model's policy now rather than per request.
@@ -483,6 +489,7 @@ class RouterApp:
                 body = asked  # a stream that would go uncounted; the answer is cut to match
             ex.send = self.gate.metered(ex.send, client, model, cut_usage_event=asked is not None)
         ex.body = body
+        ex.session = ex.trace.session = self.sessions.read(scope["headers"], payload)
         if scope["path"] == response_affinity.PATH:  # the one check other routes pay
             ex.send = self.responses.catch_ids(ex, payload)
             if (previous := response_affinity.previous_id(payload)) is not None:
@@ -516,7 +523,7 @@ class RouterApp:
         if alias is not None:
             if alias.fallbacks and ex.hops is None:
                 return await self._route_falling_back(ex, payload, model, alias.fallbacks)
-            target = alias.choose(session_key(ex.scope["headers"], payload))
+            target = alias.choose(key_of(ex.session))
             if ex.pinned is not None:  # the target whose worker holds the response
                 target = response_affinity.alias_target(ex.pinned, alias, target)
             if target is None:
@@ -550,7 +557,7 @@ class RouterApp:
             session = self._session or await self._lazy_session()
             path = ex.scope["path"]
             tokens = await self.tokens.of(session, path, route, payload, workers, self.loads)
-        ex.request = RequestInfo(model, payload, headers, text, tokens)
+        ex.request = RequestInfo(model, payload, headers, text, tokens, key_of(ex.session))
         ex.policy = policy
         if ex.explain is not None:  # before select, which may learn from the request
             before = ex.explain
@@ -589,6 +596,7 @@ class RouterApp:
         ex.explain = explain.start(
             asked=asked, model=route.name, route=route, policy=ex.policy,
             told_candidates=told.candidates, admission=self.admission_room(route, workers),
+            session=ex.session,
         )  # fmt: skip
 
     def admission_room(
@@ -607,6 +615,7 @@ class RouterApp:
             return policy.select(candidates, request, self.loads)
 
         ticket = Ticket(ex.rank, ex.flow, ex.weight, route.priority_reserve)
+        ticket.session = key_of(ex.session)
         worker = await self.admission.acquire(
             route.name, workers, route.max_inflight, choose, self.inflight, ticket
         )

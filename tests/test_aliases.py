@@ -7,7 +7,7 @@ from collections import Counter
 import orjson
 import pytest
 
-from routing.aliases import AliasRoute, ModelNameRewriter, rewrite_request_model, session_key
+from routing.aliases import AliasRoute, ModelNameRewriter, rewrite_request_model
 from routing.snapshot import ModelEntry, WorkerView, build_snapshot
 
 
@@ -49,12 +49,6 @@ def test_raising_the_new_weight_only_moves_sessions_to_it() -> None:
         share = sum(1 for t in now.values() if t == "v2") / len(keys)
         assert abs(share - weight / 100) < 0.04
         previous = dict(now)
-
-
-def test_session_key_from_header_then_user() -> None:
-    assert session_key([(b"x-session-id", b"abc")], {"user": "u"}) == "abc"
-    assert session_key([(b"x-session-id", b"")], {"user": "u"}) == "u"
-    assert session_key([], {"user": 7}) is None
 
 
 def test_request_rewrite_changes_only_the_model_bytes() -> None:

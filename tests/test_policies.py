@@ -31,6 +31,7 @@ from routing.policies.round_robin import RoundRobinPolicy
 from routing.policies.session_affinity import SessionAffinityPolicy
 from routing.policies.shortest_queue import ShortestQueuePolicy
 from routing.policies.weighted_random import WeightedRandomPolicy
+from routing.sessions import SessionReader, key_of
 from routing.snapshot import WorkerView
 from tests.factories import worker_view
 
@@ -82,7 +83,9 @@ def session(
     body: dict[str, Any] = {"model": "m", "messages": []}
     if user is not None:
         body["user"] = user
-    return RequestInfo(model="m", body=body, raw_headers=headers)
+    # The session key as the router reads it once per request (routing.sessions).
+    found = SessionReader().read(headers, body)
+    return RequestInfo(model="m", body=body, raw_headers=headers, session=key_of(found))
 
 
 # --- the registry ---------------------------------------------------------------------------
@@ -150,7 +153,7 @@ def test_good_config_is_read() -> None:
     assert (kv.max_metrics_age, kv.inflight_weight) == (30.0, 0.0)
     affinity = SessionAffinityPolicy({"header": "X-Conv", "max_load": 4.0, "cache_size": 0})
     assert (affinity.header, affinity.max_load, affinity.cache_size) == (b"x-conv", 4, 0)
-    assert SessionAffinityPolicy().header == b"x-session-id"
+    assert SessionAffinityPolicy().header is None  # the router's session key only
 
 
 # --- shared load helpers ------------------------------------------------------------------
@@ -603,8 +606,10 @@ def test_session_affinity_header_is_configurable_and_case_insensitive() -> None:
         assert policy.select(workers, session("k1"), NO_INFLIGHT) is reference
     custom = SessionAffinityPolicy({"header": "X-Conversation"})
     assert custom.select(workers, session("k1", header=b"x-conversation"), NO_INFLIGHT) is reference
-    custom.select(workers, session("k1"), NO_INFLIGHT)  # X-Session-ID is not its header
-    assert custom.decisions == {"affinity": 1, "no_key": 1}
+    # Without its own header, the router's session key (here X-Session-ID's) still counts.
+    assert custom.select(workers, session("k1"), NO_INFLIGHT) is reference
+    assert custom.select(workers, session(), {1: 3}) is not None
+    assert custom.decisions == {"affinity": 2, "no_key": 1}
 
 
 def test_session_affinity_without_key_takes_least_loaded() -> None:
@@ -755,7 +760,7 @@ workers = tuple(replace(base, id=i) for i in json.loads(sys.argv[1]))
 policy = SessionAffinityPolicy()
 out = {}
 for key in json.loads(sys.argv[2]):
-    request = RequestInfo(model="m", body={"user": key}, raw_headers=())
+    request = RequestInfo(model="m", body={"user": key}, raw_headers=(), session=key)
     out[key] = policy.select(workers, request, {}).id
 print(json.dumps(out))
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.http import HttpRequest
 from ninja import Body, Router
 from ninja.errors import HttpError
@@ -19,11 +20,13 @@ def route_explain(request: HttpRequest, payload: Body[dict[str, Any]]) -> Any:
     """The X-Route-Explain answer for this body (with `model`, as it would be sent to
     /v1/...), from the router serving this call: the policy's candidates and the numbers it
     uses, the decision and worker it would make now. Nothing is forwarded, counted or
-    learned. Header `X-Session-ID` counts as it would on the real request."""
+    learned. The session headers (CONTROLPANEL_SESSION_HEADERS) and `X-Priority` count as
+    they would on the real request."""
+    wanted = {*settings.ROUTER_SESSION_SOURCES, "x-priority"}
     headers = [
         (name.lower().encode("latin-1"), value.encode("latin-1"))
         for name, value in request.headers.items()
-        if name.lower() in ("x-session-id", "x-priority")
+        if name.lower() in wanted
     ]
     try:
         told = explain.on_router(lambda app: explain.dry_run(app, payload, headers))

@@ -23,13 +23,15 @@ class RequestInfo:
     client's raw headers (as ASGI gives them: lower-case name and value bytes), only for
     a policy with `needs_request_text` the prompt as text (routing.request_text), and only
     for one with `needs_request_tokens` its token ids as the worker will see them, when
-    they could be had (routing.tokenize; None otherwise)."""
+    they could be had (routing.tokenize; None otherwise), and its session key, read once by
+    the router (routing.sessions: the configured headers, then `user`; None: none)."""
 
     model: str
     body: Mapping[str, Any]
     raw_headers: Sequence[tuple[bytes, bytes]]
     text: str | None = None
     tokens: Sequence[int] | None = None
+    session: str | None = None
 
     def header(self, name: bytes) -> str | None:
         """A request header by lower-case name, or None."""

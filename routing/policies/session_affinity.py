@@ -1,9 +1,11 @@
 """Session affinity: every request of a session goes to the same worker, while it can take it.
 
 vLLM's prefix cache makes the next turn of a conversation much cheaper on the worker that
-served the previous one, so a session should stick to a worker. The session key is the value
-of a request header (`header`, default X-Session-ID, matched case-insensitively) or, without
-it, the OpenAI `user` field of the body. Empty values count as absent.
+served the previous one, so a session should stick to a worker. The session key is the one
+the router read for the request (routing.sessions: the first of the configured headers,
+X-Session-ID, Claude Code's, OpenCode's and Codex's by default, then the OpenAI `user`
+field), unless the model's `header` knob names a header of its own, which then goes first.
+Empty values count as absent.
 
 Which worker a key maps to
 --------------------------
@@ -51,7 +53,10 @@ the key's own was overloaded), "no_key" (no session key: least loaded).
 
 Config knobs:
 
-* `header` (string, default "X-Session-ID"): the request header carrying the session key.
+* `header` (string, default: none): a request header this model reads before the router's
+  session key (CONTROLPANEL_SESSION_HEADERS), for a client that names its sessions in a
+  header of its own. Without it the policy reads only the router's key, so it never
+  re-reads the request's headers.
 * `max_load` (integer >= 0, default 32): the load above which a worker is passed over.
 * `cache_size` (integer >= 0, default 65536): how many session keys remember their first
   four workers on the ring, so a known session costs one dictionary lookup (and overflow to
@@ -94,7 +99,8 @@ class SessionAffinityPolicy(BasePolicy):
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
         check_keys(self.name, self.config, ("header", "max_load", "cache_size"))
-        self.header = _header_name(self.config.get("header", "X-Session-ID"))
+        configured = self.config.get("header")
+        self.header = None if configured is None else _header_name(configured)
         self.max_load = integer(self.name, self.config, "max_load", 32, minimum=0)
         self.cache_size = integer(self.name, self.config, "cache_size", 65536, minimum=0)
         self._workers: Sequence[WorkerView] | None = None
@@ -166,12 +172,11 @@ class SessionAffinityPolicy(BasePolicy):
         return Explanation("affinity" if chosen is ranked[0] else "overflow", chosen, rows)
 
     def session_key(self, request: RequestInfo) -> str | None:
-        """The configured header's value, else the body's `user`; None when neither is set."""
-        key = request.header(self.header)
-        if key:
+        """The model's own header when it has one and the request carries it, else the
+        router's session key (routing.sessions); None when there is neither."""
+        if self.header is not None and (key := request.header(self.header)):
             return key
-        user = request.body.get("user")
-        return user if isinstance(user, str) and user else None
+        return request.session
 
     def ranking(self, workers: Sequence[WorkerView], key: str) -> list[WorkerView]:
         """`workers` in the key's order, best first: the order overflow follows. Walks the

@@ -11,7 +11,9 @@ its public prefix. `model` and `worker` are null where there is none, as on /hea
 `model` is the served model that answered, and `fallbacks` lists the moves from the name
 the client asked for to it (routing.fallbacks), null for a request that made none.
 `session` is the request's session (routing.sessions) as a hash of its key and the header
-it came from, null for a request without one.
+it came from, null for a request without one. `cache` is a cache-aware policy's prediction of
+the prompt tokens the worker held, beside what the worker reported (routing.cache_check), so
+an operator can find the requests whose prediction was wrong; null where none was checked.
 
 Where the lines go is logging's business (settings.LOGGING: stderr or a file). `SampleFilter`
 keeps a share of the successful requests' lines and every other one, for a busy router or
@@ -83,6 +85,10 @@ def write(scope: Scope, trace: RequestTrace, rid: bytes, worker: str) -> None:
         "pinned": scope.get(PINNED_SCOPE_KEY),  # {"response_id", "found_in", ...}, or null
         # routing.sessions: {"hash", "from"}, never the key itself; null without a session.
         "session": None if trace.session is None else trace.session.shown(),
+        # routing.cache_check: what a cache-aware policy predicted the worker's prefix cache
+        # held of this prompt and what it reported ({"decision", "predicted", "reported",
+        # "block_size"}, tokens); null when nothing was checked.
+        "cache": trace.cache,
     }
     log.info(orjson.dumps(line).decode(), extra={"status": line["status"]})
 

@@ -44,7 +44,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from routing.asgi_types import Message, Send
-from routing.metrics import PlainHistogram
+from routing.metrics import PlainHistogram, RequestTrace
 from routing.policies.base import Prediction
 from routing.usage import usage_object
 
@@ -87,7 +87,9 @@ class CacheCheck:
         if _stream_without_usage(ex.request.body):  # nothing to read: spare every chunk
             tally.unchecked += 1
             return ex.send
-        return _AnswerTail(ex.send, prediction, tally).send
+        tail = _AnswerTail(ex.send, prediction, tally)
+        tail.trace, tail.decision = ex.trace, ex.policy.last_decision
+        return tail.send
 
     def _tally(self, model: str, policy: str) -> Tally:
         tally = self.tallies.get((model, policy))
@@ -99,13 +101,17 @@ class CacheCheck:
 class _AnswerTail:
     """The last TAIL_BYTES of one answer, checked against its prediction at the end."""
 
-    __slots__ = ("_next", "_on", "_prediction", "_size", "_tail", "_tally")
+    __slots__ = ("_next", "_on", "_prediction", "_size", "_tail", "_tally", "decision", "trace")
 
     def __init__(self, send: Send, prediction: Prediction, tally: Tally) -> None:
         self._next, self._prediction, self._tally = send, prediction, tally
         self._tail: deque[bytes] = deque()
         self._size = 0
         self._on = False
+        # The request's trace, where the checked prediction is left for the access log, and
+        # the policy's decision that made it.
+        self.trace: RequestTrace | None = None
+        self.decision = ""
 
     async def send(self, message: Message) -> None:
         await self._next(message)
@@ -137,6 +143,11 @@ class _AnswerTail:
         tally.within_block += error <= self._prediction.block_size
         tally.predicted += predicted
         tally.reported += reported
+        if self.trace is not None:
+            self.trace.cache = {
+                "decision": self.decision, "predicted": predicted, "reported": reported,
+                "block_size": self._prediction.block_size,
+            }  # fmt: skip
 
 
 def predicted_tokens(prediction: Prediction, prompt_tokens: Any) -> int:

@@ -120,7 +120,9 @@ _NOT_IN_NAME = re.compile(r"[^a-zA-Z0-9_]")
 class RequestTrace:
     """What one proxied request did, filled in as it goes and recorded once at its end."""
 
-    __slots__ = ("first_byte", "model", "request_id", "session", "started", "status", "worker_id")
+    __slots__ = (
+        "cache", "first_byte", "model", "request_id", "session", "started", "status", "worker_id",
+    )  # fmt: skip
 
     def __init__(self, started: float) -> None:
         self.started = started
@@ -130,6 +132,9 @@ class RequestTrace:
         self.first_byte: float | None = None
         self.request_id = b""  # routing.access_log; returned to the client on every answer
         self.session: Session | None = None  # routing.sessions, for the access log
+        # A cache-aware policy's prediction checked against the answer (routing.cache_check):
+        # {"decision", "predicted", "reported", "block_size"}; None when none was checked.
+        self.cache: dict[str, Any] | None = None
 
 
 class PlainHistogram:

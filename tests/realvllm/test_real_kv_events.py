@@ -7,7 +7,9 @@ answers, never from the code under test."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -66,14 +68,18 @@ def decisions(router: RouterServer) -> dict[str, float]:
 
 
 def chat(
-    client: openai.OpenAI, messages: list[dict[str, str]], max_tokens: int = 40
+    client: openai.OpenAI,
+    messages: list[dict[str, str]],
+    max_tokens: int = 40,
+    request_id: str = "",
 ) -> tuple[str, int]:
     """One turn: (the answer's text, the cached tokens vLLM reported)."""
     answer = client.chat.completions.create(
         model=MODEL,
-        messages=messages,
+        messages=messages,  # type: ignore[arg-type]
         max_tokens=max_tokens,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
+        extra_headers={"X-Request-ID": request_id} if request_id else None,
     )
     assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
     cached = answer.usage.prompt_tokens_details.cached_tokens
@@ -133,13 +139,19 @@ def test_each_turn_after_the_first_is_decided_from_events_and_predicted_exactly(
             quiet(router, worker)  # the last answer's blocks are in the index
         before = cache_numbers(router)
         messages.append({"role": "user", "content": f"Question {turn}: what comes next?"})
-        text, cached = chat(client, messages)
+        rid = f"turn-{turn}-{'local' if local else 'hop'}-{policy_config.get('pending_seconds')}"
+        text, cached = chat(client, messages, request_id=rid)
         messages.append({"role": "assistant", "content": text})
         reported.append(cached)
         wait_until(lambda b=before: cache_numbers(router)[0] == b[0] + 1, timeout=PATIENCE_S)
         after = cache_numbers(router)
-        # This turn's prediction, exactly what vLLM said it found in its cache.
+        # This turn's prediction, exactly what vLLM said it found in its cache...
         assert after[2] - before[2] == after[3] - before[3] == cached, (turn, before, after)
+        # ...and so says the request's own access-log line.
+        line = wait_until(lambda r=rid: access_line(router, r), timeout=PATIENCE_S)
+        decided = "miss" if turn == 0 else "kv"
+        want = {"decision": decided, "predicted": cached, "reported": cached}
+        assert line["cache"] == {**want, "block_size": BLOCK_SIZE}, line
     assert reported[0] == 0 and all(c >= 8 * BLOCK_SIZE for c in reported[1:])
     made = {k: v - made_before[k] for k, v in decisions(router).items()}
     assert made["miss"] == 1 and made["kv"] == 5, made
@@ -150,6 +162,16 @@ def test_each_turn_after_the_first_is_decided_from_events_and_predicted_exactly(
     assert router_metric(router, fallbacks, model=MODEL) == fallbacks_before
     hops = {k: v - tokenized_before[k] for k, v in tokenized(router).items()}
     assert hops == ({"local": 6, "worker": 0} if local else {"local": 0, "worker": 6}), hops
+
+
+def access_line(router: RouterServer, request_id: str) -> dict[str, Any] | None:
+    """The router's access-log line of one request, once written."""
+    for line in reversed(router.log().splitlines()):
+        if line.startswith("{") and request_id in line:
+            entry: dict[str, Any] = json.loads(line)
+            if entry.get("request_id") == request_id:
+                return entry
+    return None
 
 
 def tokenized(router: RouterServer) -> dict[str, float]:

@@ -76,8 +76,11 @@ from bench.real_vllm_fleet import (
     BLOCK_SIZE,
     MODEL,
     MODES,
+    AccessTail,
     Servers,
+    access_log_path,
     cold_caches,
+    count_mispredictions,
     delta,
     kv_streams,
     max_model_len,
@@ -169,6 +172,8 @@ async def benchmark(
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         router, router_pid = await setup_router(session, fleet, servers)
+        access = AccessTail(access_log_path(fleet))
+        mispredicted: dict[str, dict[str, int]] = setup.setdefault("mispredictions", {})
         setup["vllm_version"] = await version(session, servers.urls[0])
         await warm_up(session, servers, workload)
         chat_url = router + "/v1/chat/completions"
@@ -183,11 +188,13 @@ async def benchmark(
                 previous = mode
                 resets.append(await cold_caches(session, fleet, router, servers))
                 before = await read_counters(session, router, router_pid, servers)
+                access.read()  # what came before this run
                 outcome = await run_workload(session, chat_url, MODEL, workload, clients)
                 for url in servers.urls:
                     await wait_idle(session, fleet, url)
                 await asyncio.sleep(SETTLE_S)
                 after = await read_counters(session, router, router_pid, servers)
+                count_mispredictions(access.read(), mispredicted.setdefault(mode, {}))
                 fig = run_figures(mode, outcome, delta(after, before))
                 fig["kv_streams"] = await kv_streams(session, router)
                 figures[mode] = fig

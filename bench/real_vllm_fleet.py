@@ -113,6 +113,8 @@ async def setup_router(
     endpoints and probed once (vllm:cache_config_info's block size, no Celery running
     beside the benchmark), their indexes trusted. Returns (router URL, router pid)."""
     port = harness.free_ports(1)[0]
+    # Each request's checked prediction is on its access-log line (routing.cache_check).
+    fleet.env["CONTROLPANEL_ACCESS_LOG_FILE"] = str(access_log_path(fleet))
     pid = harness.start_router(fleet, port)
     router = f"http://{HOST}:{port}"
     await harness.wait_until(
@@ -125,6 +127,39 @@ async def setup_router(
     fleet.run([PYTHON, "manage.py", "shell", "-c", probe])
     await wait_indexes(session, fleet, router, len(servers.urls))
     return router, pid
+
+
+def access_log_path(fleet: harness.Fleet) -> Path:
+    return fleet.tmp / "access.log"
+
+
+class AccessTail:
+    """The router's access-log lines written since the last read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, 0
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as log:
+            log.seek(self.offset)
+            raw = log.read()
+        whole = raw[: raw.rfind(b"\n") + 1]  # a line being written waits for the next read
+        self.offset += len(whole)
+        return [orjson.loads(line) for line in whole.splitlines() if line.startswith(b"{")]
+
+
+def count_mispredictions(lines: list[dict[str, Any]], tally: dict[str, int]) -> None:
+    """Predictions more than a block off, by the decision that made them and their sign."""
+    for entry in lines:
+        cache = entry.get("cache")
+        if not cache:
+            continue
+        error = cache["predicted"] - cache["reported"]
+        if abs(error) > cache["block_size"]:
+            key = f"{cache['decision']} {'over' if error > 0 else 'under'}"
+            tally[key] = tally.get(key, 0) + 1
 
 
 async def kv_streams(session: aiohttp.ClientSession, router: str) -> list[dict[str, Any]]:

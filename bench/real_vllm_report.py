@@ -216,6 +216,14 @@ def report(result: dict[str, Any]) -> str:
         "predicts in 16-token blocks), pooled over all rounds; mean absolute error: median "
         "over rounds; predicted / reported: token sums over all rounds; "
         "decisions, fallbacks and tokenize outcomes: totals over all rounds.",
+        "Predictions more than a block off, by the decision that made them and whether "
+        "they said more or less than vLLM (all rounds, from the router's access log): "
+        + "; ".join(
+            f"{m}: {counts(t) if t else 'none'}"
+            for m, t in setup.get("mispredictions", {}).items()
+            if m != "round_robin"
+        )
+        + ".",
         "Client-side cached share (usage): "
         + ", ".join(f"{m} {pct(f['client_cached_share'])}" for m, f in s.items())
         + ". vLLM's own mean TTFT (ms): "

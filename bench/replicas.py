@@ -79,7 +79,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for `python bench/...py`
 from bench import harness
 from bench import routing_fleet as rf
-from bench.harness import HOST, JSON_HEADERS, PYTHON, ROOT, log
+from bench.harness import JSON_HEADERS, PYTHON, ROOT, log
 from bench.replicas_measure import WORKLOADS, run_one
 from bench.replicas_report import medians, report, targets
 from bench.replicas_setups import (
@@ -90,12 +90,12 @@ from bench.replicas_setups import (
     ROUTERS2,
     SETUPS,
     TOKENIZER,
-    WORKER_EXTRA,
     Setup,
     ensure_haproxy,
     serve_has_routers,
     set_policy,
     start_setup,
+    start_workers,
     stop_setup,
 )
 from bench.routing_modes import POLICY_CONFIGS, add_config_arguments
@@ -128,34 +128,6 @@ AWAY = "round_robin"  # switched to and back when a stateful policy would be reu
 
 
 # --------------------------------------------------------------------------- the benchmark
-
-
-async def start_workers(
-    proc: harness.Fleet, cache_blocks: int, kv: bool, tokenizer: str = ""
-) -> rf.Fleet:
-    """The four simulated workers (publishing KV events with `kv`) and Celery. The routing
-    benchmark's Fleet type carries them (its counters read only `workers`); this benchmark
-    has no single router or floor."""
-    # One call: ports from separate calls can coincide (each is released before the next).
-    every = harness.free_ports(rf.N_WORKERS * (3 if kv else 1))
-    ports, kv_ports = every[: rf.N_WORKERS], every[rf.N_WORKERS :]
-    pairs = [(kv_ports[2 * i], kv_ports[2 * i + 1]) for i in range(rf.N_WORKERS)] if kv else []
-    for i, port in enumerate(ports):
-        rf.start_sim(
-            proc, f"worker{i}", port, cache_blocks, rf.PREFILL_MS_PER_BLOCK,
-            pairs[i] if kv else None, tokenizer,
-        )  # fmt: skip
-    rf.start_celery(proc)
-    urls = [f"http://{HOST}:{p}" for p in ports]
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-        for url in urls:
-            await harness.wait_until(
-                f"{url}/health", partial(harness.http_ok, http, url + "/health"), proc
-            )
-    endpoints = [rf.kv_endpoints(p) for p in pairs]
-    for url, (events, replay) in zip(urls if kv else [], endpoints, strict=True):
-        WORKER_EXTRA[url] = {"kv_events": events, "kv_events_replay": replay}
-    return rf.Fleet(proc, "", 0, urls, [], cache_blocks, "", 0, endpoints)
 
 
 async def warm_up(http: aiohttp.ClientSession, setup: Setup) -> None:

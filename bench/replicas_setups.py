@@ -43,6 +43,7 @@ import aiohttp
 import orjson
 
 from bench import harness
+from bench import routing_fleet as rf
 from bench.harness import HOST, PYTHON, ROOT, log
 from bench.routing_fleet import MODEL, use_tokenizer, wait_kv_ready, wait_tokenizer_loaded
 
@@ -291,6 +292,34 @@ WORKER_EXTRA: dict[str, dict[str, Any]] = {}
 # replicas.py --tokenizer: the folder named as the model's tokenizer (once, after the workers
 # are registered); every router of a set-up must have loaded it before it runs.
 TOKENIZER: dict[str, str] = {}
+
+
+async def start_workers(
+    proc: harness.Fleet, cache_blocks: int, kv: bool, tokenizer: str = ""
+) -> rf.Fleet:
+    """The four simulated workers (publishing KV events with `kv`, then listed in
+    WORKER_EXTRA) and Celery. The routing benchmark's Fleet type carries them (its counters
+    read only `workers`); these set-ups have no single router or floor."""
+    # One call: ports from separate calls can coincide (each is released before the next).
+    every = harness.free_ports(rf.N_WORKERS * (3 if kv else 1))
+    ports, kv_ports = every[: rf.N_WORKERS], every[rf.N_WORKERS :]
+    pairs = [(kv_ports[2 * i], kv_ports[2 * i + 1]) for i in range(rf.N_WORKERS)] if kv else []
+    for i, port in enumerate(ports):
+        rf.start_sim(
+            proc, f"worker{i}", port, cache_blocks, rf.PREFILL_MS_PER_BLOCK,
+            pairs[i] if kv else None, tokenizer,
+        )  # fmt: skip
+    rf.start_celery(proc)
+    urls = [f"http://{HOST}:{p}" for p in ports]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        for url in urls:
+            await harness.wait_until(
+                f"{url}/health", partial(harness.http_ok, http, url + "/health"), proc
+            )
+    endpoints = [rf.kv_endpoints(p) for p in pairs]
+    for url, (events, replay) in zip(urls if kv else [], endpoints, strict=True):
+        WORKER_EXTRA[url] = {"kv_events": events, "kv_events_replay": replay}
+    return rf.Fleet(proc, "", 0, urls, [], cache_blocks, "", 0, endpoints)
 
 
 async def ensure_registered(

@@ -157,10 +157,12 @@ async def run_sessions(
     on_done: Callable[[str, Outcome], None] | None = None,
     think_s: float = 0.0,
     include_usage: bool = False,
+    session_headers: Callable[[Session], dict[str, str]] | None = None,
 ) -> tuple[Samples, float]:
     """All sessions live at once, at most `concurrency` requests in flight; each session's
     turns are sequential (turn k+1 is sent `think_s` after turn k's answer is read to the
-    end)."""
+    end). A session's headers are `X-Session-ID: <key>`, or what `session_headers` gives
+    (an agent's own session header, its client key)."""
     out = Samples()
     sem = asyncio.Semaphore(concurrency)
     counter = iter(range(10**9))
@@ -176,7 +178,8 @@ async def run_sessions(
             body = request_body(s, messages, include_usage)
             async with sem:
                 rid = f"{tag}-{next(counter)}"
-                headers = {**JSON_HEADERS, "X-Session-ID": s.key, "X-Request-Id": rid}
+                named = session_headers(s) if session_headers else {"X-Session-ID": s.key}
+                headers = {**JSON_HEADERS, **named, "X-Request-Id": rid}
                 base = pick(s)
                 out.sent += 1
                 if on_request is not None:

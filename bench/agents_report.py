@@ -98,7 +98,8 @@ def summary_table(result: dict[str, Any]) -> list[str]:
     modes = by_mode(result["runs"])
     oracle = modes.get((ORACLE, ORACLE), [])
     lines = [
-        "| mode | hit rate | / oracle | TTFT p50 ms | TTFT p99 ms | requests per worker, busiest first "
+        "| mode | hit rate | / oracle | TTFT p50 ms | TTFT p99 ms "
+        "| requests per worker, busiest first "
         "| window s | completions | errors |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

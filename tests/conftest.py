@@ -36,6 +36,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # for (make test-real-vllm, .ci/run), where nothing in it may skip.
 REAL_VLLM = os.environ.get("CONTROLPANEL_REAL_VLLM") == "1"
 collect_ignore_glob = [] if REAL_VLLM else ["realvllm/*"]
+# Tests that need a real Redis skip without one in `make test`; CI's second tier has one and
+# turns any skip into a failure (CONTROLPANEL_TESTS_NO_SKIP, pytest_runtest_makereport below).
+REDIS_URL = os.environ.get("REDIS_URL", "")
+needs_redis = pytest.mark.skipif(
+    not REDIS_URL, reason="needs REDIS_URL (the second CI tier runs it against a real Redis)"
+)
 ADMIN_HEADERS = {"Authorization": f"Bearer {settings.CONTROLPANEL_ADMIN_TOKEN}"}
 AGENT_HEADERS = {"Authorization": f"Bearer {settings.CONTROLPANEL_WORKER_TOKEN}"}
 

@@ -8,7 +8,6 @@ the unreachable-Redis one runs everywhere."""
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -22,12 +21,7 @@ from routing import budgets
 from routing.asgi_types import Message
 from routing.auth import ClientGate, ClientKey, key_digest
 from routing.budgets import DAY, MONTH, BudgetLedger, counter_name, period_of
-from tests.conftest import free_port
-
-REDIS_URL = os.environ.get("REDIS_URL", "")
-needs_redis = pytest.mark.skipif(
-    not REDIS_URL, reason="needs REDIS_URL (the second CI tier runs it against a real Redis)"
-)
+from tests.conftest import REDIS_URL, free_port, needs_redis
 
 
 class Clock:

@@ -9,7 +9,6 @@ fails rather than skips when Redis is unreachable."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
@@ -29,9 +28,11 @@ from routing.budgets import DAY, MONTH, counter_name, period_of
 from tests import keyed
 from tests.conftest import (
     ADMIN_HEADERS,
+    REDIS_URL,
     RouterServer,
     StartSimulator,
     free_port,
+    needs_redis,
     start_router,
     stop_process,
     wait_until,
@@ -41,10 +42,6 @@ from tests.test_store_outage import TcpRelay
 
 pytestmark = pytest.mark.django_db(transaction=True)
 keyed_router = keyed.keyed_router  # the fixture
-REDIS_URL = os.environ.get("REDIS_URL", "")
-needs_redis = pytest.mark.skipif(
-    not REDIS_URL, reason="needs REDIS_URL (the second CI tier runs it against a real Redis)"
-)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "one two three"}], "max_tokens": 3}
 
 

@@ -9,7 +9,6 @@ REDIS_URL names one (CI's second tier, which fails rather than skips)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -19,14 +18,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import RouterServer, StartSimulator, start_router, stop_process, wait_until
+from tests.conftest import (
+    REDIS_URL,
+    RouterServer,
+    StartSimulator,
+    needs_redis,
+    start_router,
+    stop_process,
+    wait_until,
+)
 from tests.keyed import add_keyed_worker, bearer, issue
 
 pytestmark = pytest.mark.django_db(transaction=True)
-REDIS_URL = os.environ.get("REDIS_URL", "")
-needs_redis = pytest.mark.skipif(
-    not REDIS_URL, reason="needs REDIS_URL (the second CI tier runs it against a real Redis)"
-)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "one two"}], "max_tokens": 4}
 WARMUP_S, WINDOW_S = 2.0, 8.0
 

@@ -4,7 +4,6 @@ CI's second tier runs these; without REDIS_URL they are skipped, as tests/test_m
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,11 +12,9 @@ import pytest
 import redis
 
 from routing.leases import EPOCH_MS, LEASE_SCRIPT, LEASE_TTL_MS
+from tests.conftest import REDIS_URL, needs_redis
 
-REDIS_URL = os.environ.get("REDIS_URL", "")
-pytestmark = pytest.mark.skipif(
-    not REDIS_URL, reason="needs REDIS_URL (the second CI tier runs it against a real Redis)"
-)
+pytestmark = needs_redis
 
 
 @pytest.fixture

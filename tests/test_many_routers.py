@@ -9,7 +9,6 @@ Redis, in both tiers: the fused load fixes it for a single router too.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,8 +26,10 @@ from controlpanel.rollouts import aliases
 from simulator.server import RunningSimulator
 from tests.conftest import (
     ADMIN_HEADERS,
+    REDIS_URL,
     RouterServer,
     StartSimulator,
+    needs_redis,
     start_router,
     stop_process,
     wait_until,
@@ -36,10 +37,6 @@ from tests.conftest import (
 from tests.test_store_outage import TcpRelay
 
 pytestmark = pytest.mark.django_db(transaction=True)
-REDIS_URL = os.environ.get("REDIS_URL", "")
-needs_redis = pytest.mark.skipif(
-    not REDIS_URL, reason="needs REDIS_URL (the second CI tier runs it against a real Redis)"
-)
 
 
 @pytest.fixture

@@ -19,8 +19,16 @@ from controlpanel.fleet import services
 from controlpanel.registry.models import Worker
 from simulator.responses_api import store_of
 from simulator.server import RunningSimulator
-from tests.conftest import RouterServer, StartSimulator, start_router, stop_process, wait_until
-from tests.test_many_routers import REDIS_URL, join, needs_redis, sees
+from tests.conftest import (
+    REDIS_URL,
+    RouterServer,
+    StartSimulator,
+    needs_redis,
+    start_router,
+    stop_process,
+    wait_until,
+)
+from tests.test_many_routers import join, sees
 
 pytestmark = pytest.mark.django_db(transaction=True)
 MODEL = "resp-model"

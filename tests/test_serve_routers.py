@@ -25,18 +25,16 @@ import pytest
 from controlpanel.registry.models import RouterInstance
 from tests.conftest import (
     ADMIN_HEADERS,
+    REDIS_URL,
     ROOT,
     StartSimulator,
     free_port_run,
+    needs_redis,
     subprocess_env,
     wait_until,
 )
 
 pytestmark = pytest.mark.django_db(transaction=True)
-REDIS_URL = os.environ.get("REDIS_URL", "")
-needs_redis = pytest.mark.skipif(
-    not REDIS_URL, reason="needs REDIS_URL (the second CI tier runs it against a real Redis)"
-)
 GRACE = 5  # CONTROLPANEL_SHUTDOWN_GRACE for these runs: open streams' time after SIGTERM
 # Python modules a supervisor that loads no Django never has, whatever imports them.
 HEAVY = ("django", "celery", "channels", "uvicorn", "controlpanel", "routing", "simulator")

@@ -6,7 +6,6 @@ between its sessions; the access log and X-Route-Explain show the session as a h
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from collections import Counter
@@ -24,9 +23,11 @@ from routing.sessions import Session
 from simulator.server import RunningSimulator
 from tests.conftest import (
     ADMIN_HEADERS,
+    REDIS_URL,
     AddWorker,
     RouterServer,
     StartSimulator,
+    needs_redis,
     start_router,
     stop_process,
     wait_until,
@@ -35,10 +36,6 @@ from tests.keyed import add_keyed_worker, issue, openai_client
 from tests.test_policies_e2e import fleet, policy_in_use, use_policy
 
 pytestmark = pytest.mark.django_db(transaction=True)
-REDIS_URL = os.environ.get("REDIS_URL", "")
-needs_redis = pytest.mark.skipif(
-    not REDIS_URL, reason="needs REDIS_URL (the second CI tier runs it against a real Redis)"
-)
 AGENT_HEADERS = {
     "claude-code": "x-claude-code-session-id",
     "opencode": "x-session-affinity",

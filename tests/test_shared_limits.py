@@ -7,7 +7,6 @@ fails rather than skips when Redis is unreachable. The unreachable-Redis test ru
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,11 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.conftest import (
+    REDIS_URL,
     RouterServer,
     StartSimulator,
     free_port,
+    needs_redis,
     start_router,
     stop_process,
     wait_until,
@@ -27,10 +28,6 @@ from tests.keyed import add_keyed_worker, bearer, error_of, issue
 from tests.test_store_outage import TcpRelay
 
 pytestmark = pytest.mark.django_db(transaction=True)
-REDIS_URL = os.environ.get("REDIS_URL", "")
-needs_redis = pytest.mark.skipif(
-    not REDIS_URL, reason="needs REDIS_URL (the second CI tier runs it against a real Redis)"
-)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 

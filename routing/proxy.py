@@ -29,7 +29,7 @@ import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry
 
-from routing import access_log, explain, fallbacks, listings, response_affinity
+from routing import access_log, explain, fallbacks, listings, response_affinity, response_pinning
 from routing.admission import STANDARD_RANK, Admission, Ticket
 from routing.aliases import ModelNameRewriter, rewrite_request_model
 from routing.asgi_types import Receive, Scope, Send
@@ -429,7 +429,7 @@ class RouterApp:
         ex = Exchange(scope, receive, send, trace)
         span = self.tracer.start(scope) if self.tracer is not None else None
         try:
-            await (response_affinity.place_by_id(self, ex) if by_id else self._place(ex))
+            await (response_pinning.place_by_id(self, ex) if by_id else self._place(ex))
         except Exception:
             trace.status = trace.status or 500  # uvicorn answers an escaped error with a 500
             raise
@@ -525,7 +525,7 @@ class RouterApp:
                 return await self._route_falling_back(ex, payload, model, alias.fallbacks)
             target = alias.choose(key_of(ex.session))
             if ex.pinned is not None:  # the target whose worker holds the response
-                target = response_affinity.alias_target(ex.pinned, alias, target)
+                target = response_pinning.alias_target(ex.pinned, alias, target)
             if target is None:
                 return await _reject(ex, 503, f"the alias `{model}` has no target")
             ex.body = rewrite_request_model(ex.body, payload, model, target)
@@ -544,9 +544,9 @@ class RouterApp:
             return await self._route_falling_back(ex, payload, model, route.fallbacks)
         ex.trace.model = model  # only now: a served name, so the label set stays bounded
         if ex.pinned is not None:  # previous_response_id: its holder, or why not
-            pinned = response_affinity.pin_route(self, ex, route, policy, ex.pinned)
-            if isinstance(pinned, response_affinity.Gone):
-                return await response_affinity.refuse_gone(ex, pinned, ex.pinned)
+            pinned = response_pinning.pin_route(self, ex, route, policy, ex.pinned)
+            if isinstance(pinned, response_pinning.Gone):
+                return await response_pinning.refuse_gone(ex, pinned, ex.pinned)
             route, policy = pinned
         # The prompt as text costs CPU, so only a policy that uses it gets it.
         text = request_text(payload) if policy.needs_request_text else None

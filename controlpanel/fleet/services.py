@@ -14,7 +14,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from controlpanel.fleet import gpu, gpu_health, preflight
+from controlpanel.fleet import preflight, worker_fields
 from controlpanel.fleet.discovery import (
     discover_models,
     kv_endpoints_settled,
@@ -23,7 +23,6 @@ from controlpanel.fleet.discovery import (
 )
 from controlpanel.fleet.errors import (
     InvalidWeight,
-    InvalidWorkerKey,
     InvalidWorkerURL,
     LastRoutableWorker,
     WorkerAlreadyExists,
@@ -84,8 +83,8 @@ def worker_add(
     None (not given) reads them from the server (vLLM's GET /kv_event_sources), "" keeps
     them off, an endpoint given wins over what the server says."""
     normalized = _normalized(url)
-    dcgm_url = _dcgm_url(dcgm_url)
-    api_key = _api_key(api_key)
+    dcgm_url = worker_fields.dcgm_url(dcgm_url)
+    api_key = worker_fields.api_key(api_key)
     given = kv_endpoints_given(kv_events, kv_events_replay)  # checked before any call goes out
     if Worker.objects.filter(url=normalized).exists():
         raise WorkerAlreadyExists(f"a worker with URL {normalized} is already registered")
@@ -108,8 +107,8 @@ def worker_add(
         event_record(
             kind=EventKind.WORKER_JOINED,
             worker=worker,
-            message=f"added with models {', '.join(worker.model_ids)}{_key_note(worker)}"
-            f"{kv_note}",
+            message=f"added with models {', '.join(worker.model_ids)}"
+            f"{worker_fields.key_note(worker)}{kv_note}",
             actor=actor,
             data={"before": {},
                   "after": masked({**worker_settings(worker), "api_key": worker.api_key})},
@@ -137,8 +136,8 @@ def worker_register(
     them from the server, as worker_add does ("" keeps them off)."""
     normalized = _normalized(url)
     given = kv_endpoints_given(kv_events, kv_events_replay)
-    exporter = None if dcgm_url is None else _dcgm_url(dcgm_url)
-    key = None if api_key is None else _api_key(api_key)
+    exporter = None if dcgm_url is None else worker_fields.dcgm_url(dcgm_url)
+    key = None if api_key is None else worker_fields.api_key(api_key)
     row_key = Worker.objects.filter(url=normalized).values_list("api_key", flat=True).first()
     if key is None:
         key = row_key
@@ -174,15 +173,15 @@ def worker_register(
                 kind=EventKind.WORKER_JOINED,
                 worker=worker,
                 message=f"registered with models {', '.join(worker.model_ids)}"
-                f"{_key_note(worker)}{kv_note}",
+                f"{worker_fields.key_note(worker)}{kv_note}",
                 actor=actor,
             )
         else:
             before = worker_settings(worker)
             if exporter is not None and exporter != worker.dcgm_url:
-                _dcgm_url_set(worker, exporter)
+                worker_fields.dcgm_url_set(worker, exporter)
             if api_key is not None and key != worker.api_key:
-                _worker_key_event(worker, key or "", actor)
+                worker_fields.worker_key_event(worker, key or "", actor)
                 worker.api_key = key or ""  # saved with the rest by _reregister
             if kv is not None:
                 worker.kv_events, worker.kv_events_replay = kv
@@ -234,7 +233,7 @@ def worker_heartbeat(
             worker.queue_length, worker.queue_length_at = queue_length, worker.last_heartbeat
             fields += ["queue_length", "queue_length_at"]
         if gpus is not None:
-            fields += _record_nvml(worker, gpus, now=worker.last_heartbeat)
+            fields += worker_fields.record_nvml(worker, gpus, now=worker.last_heartbeat)
         if worker.state == WorkerState.OFFLINE:
             worker.state = WorkerState.ACTIVE
             fields.append("state")
@@ -408,8 +407,8 @@ def worker_update(
     `kv_events_replay` for its KV cache events endpoints."""
     if weight is not None and weight < 0:
         raise InvalidWeight("weight cannot be negative")
-    exporter = None if dcgm_url is None else _dcgm_url(dcgm_url)
-    key = None if api_key is None else _api_key(api_key)
+    exporter = None if dcgm_url is None else worker_fields.dcgm_url(dcgm_url)
+    key = None if api_key is None else worker_fields.api_key(api_key)
     with transaction.atomic():
         worker = Worker.objects.select_for_update().get(pk=worker_id)
         before = worker_settings(worker)
@@ -419,9 +418,9 @@ def worker_update(
             worker.weight = weight
         fields = ["name", "weight", "updated_at"]
         if exporter is not None and exporter != worker.dcgm_url:
-            fields += _dcgm_url_set(worker, exporter)
+            fields += worker_fields.dcgm_url_set(worker, exporter)
         if key is not None and key != worker.api_key:
-            _worker_key_event(worker, key, actor)
+            worker_fields.worker_key_event(worker, key, actor)
             worker.api_key = key
             fields.append("api_key")
         if kv_events is not None or kv_events_replay is not None:
@@ -452,60 +451,3 @@ def _settings_event(worker: Worker, before: dict[str, Any], actor: str) -> None:
 
 def _state_change(before: str, after: str) -> dict[str, Any]:
     return {"before": {"state": str(before)}, "after": {"state": str(after)}}
-
-
-# --- keys and GPU telemetry (controlpanel.fleet.gpu, controlpanel.fleet.gpu_health) ---------
-
-
-def _key_note(worker: Worker) -> str:
-    return " and an upstream API key" if worker.api_key else ""
-
-
-def _worker_key_event(worker: Worker, new_key: str, actor: str) -> None:
-    """The audit trail says that a worker's upstream key changed, never what it is."""
-    what = "removed" if not new_key else "rotated" if worker.api_key else "set"
-    event_record(
-        kind=EventKind.WORKER_KEY_CHANGED,
-        worker=worker,
-        message=f"upstream API key {what}",
-        actor=actor,
-        data={"change": what, "before": {"api_key": "set" if worker.api_key else "not set"},
-              "after": {"api_key": what}},
-    )  # fmt: skip
-
-
-def _api_key(key: str) -> str:
-    """A worker key goes into an HTTP header: printable ASCII without spaces, or nothing."""
-    key = key.strip()
-    if len(key) > 512 or not all("!" <= ch <= "~" for ch in key):
-        raise InvalidWorkerKey("a worker API key is up to 512 printable ASCII characters")
-    return key
-
-
-def _dcgm_url(url: str) -> str:
-    try:
-        return gpu.normalize_dcgm_url(url)
-    except ValueError as exc:
-        raise InvalidWorkerURL(str(exc)) from exc
-
-
-def _dcgm_url_set(worker: Worker, url: str) -> list[str]:
-    """A new exporter may see other GPUs: start from "unknown" rather than compare them.
-    Returns the fields changed."""
-    worker.dcgm_url = url
-    forget = gpu_health.gpu_forget()
-    for name, value in forget.items():
-        setattr(worker, name, value)
-    return ["dcgm_url", *forget]
-
-
-def _record_nvml(worker: Worker, raw: list[Any], *, now: datetime) -> list[str]:
-    """Apply the agent's NVML readings (unless the worker's DCGM exporter has fresh ones);
-    returns the fields changed."""
-    readings = gpu.clean_gpus(raw) or []
-    change = gpu_health.gpu_change(worker, gpus=readings, source=gpu_health.NVML, now=now)
-    for name, value in change.fields.items():
-        setattr(worker, name, value)
-    for kind, message in change.events:
-        event_record(kind=kind, worker=worker, message=message, actor="agent")
-    return list(change.fields)

@@ -24,8 +24,9 @@ from controlpanel.console.consumers import FleetConsumer  # noqa: E402
 from controlpanel.console.live import publisher  # noqa: E402
 from controlpanel.routers.snapshot import DatabaseSnapshotSource  # noqa: E402
 from routing.asgi_types import Receive, Scope, Send  # noqa: E402
-from routing.proxy import RouterApp, RouterConfig, routes_here  # noqa: E402
+from routing.proxy import RouterApp, RouterConfig  # noqa: E402
 from routing.refresher import SnapshotRefresher  # noqa: E402
+from routing.routes import routes_here  # noqa: E402
 
 log = logging.getLogger(__name__)
 

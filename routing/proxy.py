@@ -42,7 +42,6 @@ from routing.explain import DecisionRing
 from routing.fleet_sync import FleetSync
 from routing.kv_index import DEFAULT_MAX_BLOCKS_PER_WORKER, KvIndex
 from routing.kv_subscriber import KvSubscriber
-from routing.listings import METRICS_PATH, SEED_ROUTES
 from routing.load_push import LoadPush
 from routing.load_signal import DEFAULT_REPORT_MAX_AGE, LoadBoard
 from routing.metrics import RequestTrace, RouterCollector, RouterMetrics, render
@@ -52,6 +51,7 @@ from routing.priority import HEADER as PRIORITY_HEADER
 from routing.priority import UnknownClass, request_rank
 from routing.request_text import request_text
 from routing.responses import refuse, respond_error
+from routing.routes import MODEL_ROUTES
 from routing.sessions import DEFAULT_SOURCES, Session, SessionReader, key_of
 from routing.shared_store import SharedStore
 from routing.snapshot import ModelRoute, Snapshot, WorkerView
@@ -60,71 +60,6 @@ from routing.tracing import tracer_from_env
 from routing.usage import ask_for_usage
 
 log = logging.getLogger(__name__)
-
-# Routes forwarded by the `model` field of their JSON body.
-MODEL_ROUTES = frozenset(
-    {
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/embeddings",
-        "/v1/responses",
-        "/v1/messages",
-        "/v1/rerank",
-        "/v2/rerank",
-        "/v1/score",
-        "/tokenize",
-        "/detokenize",
-        "/rerank",
-        "/score",
-        "/pooling",
-        "/classify",
-        # Anthropic's API (errors in its shape: routing.errors) and vLLM's newer inference
-        # routes, each a pure function of its body on any worker serving the model:
-        "/v1/messages/count_tokens",
-        "/v1/messages/render",  # templating and tokenizing only (--enable-scale-out)
-        "/v1/chat/completions/render",
-        "/v1/completions/render",
-        "/v1/responses/render",
-        "/v1/chat/completions/derender",  # token ids back to an answer: the model's tokenizer
-        "/v1/completions/derender",
-        "/v1/chat/completions/batch",
-        "/inference/v1/generate",  # token in, token out; `model` as in the others
-        "/generative_scoring",
-        "/v1/systemone",  # vLLM's structured decisions: generation under a schema
-    }
-)
-# vLLM's administrative and dev-mode endpoints: answered here with a 404 so that no client
-# can ever put a worker to sleep or reset its cache through the public router.
-PRIVATE_ROUTES = frozenset(
-    {
-        # Aborts by request id, which names no worker and would let one client abort
-        # another's requests (the router aborts by closing the connection instead).
-        "/inference/v1/abort_requests",
-        "/abort_requests",
-        "/is_scaling_elastic_ep",  # the engine's own scaling state: operators only
-        "/adapters",  # SageMaker's LoRA load (DELETE /adapters/{name}: routes_here)
-        "/fault_tolerance/apply",
-        "/release_kv_cache_memory",
-        "/reset_encoder_cache",
-        "/sleep",
-        "/wake_up",
-        "/is_sleeping",
-        "/reset_prefix_cache",
-        "/reset_mm_cache",
-        "/collective_rpc",
-        "/start_profile",
-        "/stop_profile",
-        "/pause",
-        "/resume",
-        "/is_paused",
-        "/update_weights",
-        "/scale_elastic_ep",
-        "/server_info",
-        # SageMaker's catch-all: any handler picked by the body's shape, past every route
-        # rule here; clients use the named routes.
-        "/invocations",
-    }
-)
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) describe one connection, not the message.
 HOP_BY_HOP = frozenset(
@@ -190,18 +125,6 @@ class RouterConfig:
     kv_index_max_blocks: int = DEFAULT_MAX_BLOCKS_PER_WORKER  # per worker (routing.kv_index)
     # Where a request's session key is read, in order (routing.sessions).
     session_sources: tuple[str, ...] = DEFAULT_SOURCES
-
-
-def routes_here(path: str) -> bool:
-    """True for every path the router serves; everything else goes to Django."""
-    return (
-        path.startswith("/v1/")
-        or path in MODEL_ROUTES
-        or path in SEED_ROUTES
-        or path in PRIVATE_ROUTES
-        or path == METRICS_PATH
-        or path.startswith("/adapters/")  # SageMaker's LoRA unload: a 404 here too
-    )
 
 
 @dataclass(slots=True, eq=False)

@@ -1,7 +1,7 @@
 """LoRA adapters loaded into and unloaded from a worker, by admins, through the control API.
 
 vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` change what a server serves
-for every client; the public router never forwards them (routing.proxy PRIVATE_ROUTES and
+for every client; the public router never forwards them (routing.routes PRIVATE_ROUTES and
 the 404 for unknown paths). Here an admin asks the control plane, which calls the worker,
 then re-reads its `/v1/models` so the router routes the adapter within a second.
 """

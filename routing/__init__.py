@@ -1,16 +1,29 @@
 """The data plane: the router that every inference request goes through.
 
-What lives here:
-* proxy: the model routes' hot path (RouterApp): read the body once, pick, forward, relay
-  the stream, always close; listings and responses: the routes it does not proxy and the
-  answers it writes itself; errors: the OpenAI error shape; asgi_types: the ASGI aliases.
-* snapshot: the immutable view of routable workers, swapped atomically by refresher, which
-  is the only link to the control plane: through the SnapshotSource it is handed (ports).
-* policies/: the balancing policies; aliases, admission, ejection: what decides where a
-  request may go; auth, usage, shared_store: client keys, token accounting and their Redis;
-  metrics, gpu_metrics, access_log: what the router tells about itself.
+Rooms, top to bottom (each may import only what is below it; import-linter's layers
+contract in pyproject.toml enforces it, type-only imports included):
 
-What it may import: the standard library, aiohttp, orjson, prometheus_client and redis, and
-nothing from Django, channels, celery, controlpanel or simulator. Nothing here touches a
-database: a store outage must never stop a proxied request.
+* refresher, ports: the one link to the control plane (SnapshotSource in, RouterReport out).
+* router: RouterApp, the ASGI entry and the process's lifetime (start-up, shutdown,
+  readmission probes, /health and /list_workers).
+* proxy: the request path (Proxy): read the body once, admit, pick, forward, relay, always
+  close. relay: headers and body relays. routes: which paths are forwarded or shielded.
+* listings, response_pinning: the routes it does not proxy; requests pinned by a
+  Responses API id.
+* state: RouterConfig and RouterState, everything that outlives a request.
+* responses: answers the router writes itself (OpenAI's or Anthropic's error shape).
+* telemetry/: metrics, traces, the access log, explanations, cache predictions checked.
+* exchange: one request's whole state and outcome (Exchange).
+* prompt/: a request's token ids (local tokenizer, chat template, the worker's render).
+* peers/: what routers share through Redis (fleet_sync, load_push, response ids, rings).
+* policies/: the balancing policies (the Policy protocol in policies.base).
+* kv/, admission/, clients/: the workers' KV caches from their events; who may send now
+  and who waits; upstream failures and ejection.
+* fleet/: the snapshot of workers, models, aliases, fallbacks, keys and priority classes.
+* sessions, errors, asgi_types, shared_store, histograms: small leaves everyone may use.
+
+What it may import from outside: the standard library, aiohttp, orjson, prometheus_client,
+redis, pyzmq, msgpack, tokenizers and jinja2; nothing from Django, channels, celery,
+controlpanel or simulator. Nothing here touches a database: a store outage never stops a
+proxied request.
 """

@@ -18,15 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from routing import access_log
+from routing.admission.auth import OPEN_PATHS, Refusal, visible_models
 from routing.asgi_types import Message, Scope, Send
-from routing.auth import OPEN_PATHS, ClientKey, Refusal, visible_models
-from routing.metrics import CONTENT_TYPE, CollectedFamilies, RequestTrace, render
+from routing.exchange import Exchange
+from routing.fleet.client_keys import ClientKey
+from routing.fleet.snapshot import Snapshot
 from routing.responses import refuse, respond, respond_error
-from routing.snapshot import Snapshot
+from routing.telemetry import access_log
+from routing.telemetry.counters import CONTENT_TYPE
+from routing.telemetry.metrics import CollectedFamilies, render
 
 if TYPE_CHECKING:
-    from routing.proxy import RouterApp
+    from routing.state import RouterState
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +41,13 @@ _METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
 DEPLOYMENT_HEADER = b"x-controlpanel-deployment"
 
 
-async def answer(app: RouterApp, scope: Scope, send: Send) -> None:
+async def answer(app: RouterState, scope: Scope, send: Send) -> None:
     """One request on a router path that is not a model route, logged whatever happens."""
-    trace = RequestTrace(perf_counter())
-    rid = trace.request_id = access_log.request_id(scope)
+    trace = Exchange(scope, _no_receive, send, perf_counter())
+    rid = access_log.request_id(trace)
     send = _with_request_id(send, trace, app.snapshot.deployment.encode())
     try:
-        await _route(app, scope, send)
+        await _route(app, trace, send)
     except Exception:
         if trace.status:
             raise  # mid-answer: only uvicorn can end the connection now
@@ -54,10 +57,11 @@ async def answer(app: RouterApp, scope: Scope, send: Send) -> None:
         await respond_error(send, 500, f"internal error; see the router log for {shown}")
     finally:
         if access_log.enabled():
-            access_log.write(scope, trace, rid, "")
+            access_log.write(trace, "")
 
 
-async def _route(app: RouterApp, scope: Scope, send: Send) -> None:
+async def _route(app: RouterState, ex: Exchange, send: Send) -> None:
+    scope = ex.scope
     path = scope["path"]
     method = scope["method"]
     if method != "GET":
@@ -69,7 +73,7 @@ async def _route(app: RouterApp, scope: Scope, send: Send) -> None:
         checked = app.gate.authenticate(scope, app.snapshot.api_keys)
         if isinstance(checked, Refusal):
             return await refuse(send, checked)
-        client = checked
+        client = ex.client = checked
     if path == "/v1/models":
         snapshot = app.snapshot
         payload = visible_models(snapshot.models_payload, snapshot.model_entries, client)
@@ -79,16 +83,16 @@ async def _route(app: RouterApp, scope: Scope, send: Send) -> None:
     if path == "/list_models":
         return await respond(send, 200, app.snapshot.list_models_payload)
     if path == "/list_workers":
-        return await respond(send, 200, orjson.dumps(app.list_workers()))
+        return await respond(send, 200, orjson.dumps(_worker_listing(app)))
     if path == "/health":
-        return await respond(send, 200, orjson.dumps(app.health()))
+        return await respond(send, 200, orjson.dumps(health_report(app)))
     if path == METRICS_PATH:
         body = await _metrics_page(app)
         return await respond(send, 200, body, content_type=_METRICS_CONTENT_TYPE)
     await respond_error(send, 404, f"no route {path}", path=path)
 
 
-async def _model_detail(app: RouterApp, send: Send, model: str, client: ClientKey | None) -> None:
+async def _model_detail(app: RouterState, send: Send, model: str, client: ClientKey | None) -> None:
     """GET /v1/models/{id}, which the SDKs' models.retrieve() calls. The ASGI path is
     already percent-decoded, so ids with a slash (`org/model`) work as they are."""
     entry = app.snapshot.model_entries.get(model)
@@ -97,7 +101,7 @@ async def _model_detail(app: RouterApp, send: Send, model: str, client: ClientKe
     await respond(send, 200, orjson.dumps(entry))
 
 
-async def _metrics_page(app: RouterApp) -> bytes:
+async def _metrics_page(app: RouterState) -> bytes:
     # Collected here, on the loop, because it reads live dicts; written out on a thread,
     # because a big fleet's text takes tens of ms, a stall every request would feel.
     collected = CollectedFamilies(app.registry.collect())
@@ -111,7 +115,7 @@ def worker_listing(
     load: Callable[[int], Mapping[str, int | None]] = lambda worker_id: {},
 ) -> dict[str, Any]:
     """/list_workers: every worker the snapshot knows, with this router's in-flight count,
-    the parts of its fused load (`load`: routing.load_signal's describe) and its KV event
+    the parts of its fused load (`load`: routing.fleet.load_signal's describe) and its KV event
     stream and index (`kv_events`, None without an endpoint)."""
     now = time.time()
     workers = [
@@ -121,6 +125,7 @@ def worker_listing(
             "url": w.url,
             "state": w.state,
             "source": w.source,
+            "role": w.role,
             "routable": w.routable,
             "models": [m.id for m in w.models],
             "inflight": inflight.get(w.id, 0),
@@ -140,7 +145,7 @@ def worker_listing(
     return {"workers": workers}
 
 
-def health_report(app: RouterApp) -> dict[str, Any]:
+def health_report(app: RouterState) -> dict[str, Any]:
     """/health: degraded while the snapshot cannot be refreshed or Redis is down."""
     snapshot, store = app.snapshot, app.store
     counts: dict[str, int] = defaultdict(int)
@@ -155,7 +160,7 @@ def health_report(app: RouterApp) -> dict[str, Any]:
         "snapshot_age_s": round(time.time() - snapshot.built_at, 3),
         "snapshot_error": app.snapshot_error,
         "redis": "not configured" if store is None else redis_error or "ok",
-        # Routing state shared with the other routers (routing.fleet_sync); local while down.
+        # Routing state shared with the other routers (routing.peers.fleet_sync); local while down.
         "shared_state": app.sync.status() if app.sync is not None else None,
         "inflight": sum(app.inflight.values()),
         # Each tokenizer folder a model names (kv_aware's local tokens): loaded, loading, or
@@ -164,14 +169,28 @@ def health_report(app: RouterApp) -> dict[str, Any]:
         # How each kv_aware model gets its token ids: local, render, tokenize (or worker:
         # its hop has not run yet).
         "tokenize_sources": app.tokens.sources(snapshot),
+        # previous_response_id's records (routing.peers.response_affinity): held in memory,
+        # looked up in Redis, refused while Redis could not be asked.
+        "responses": app.responses.status(),
     }
+
+
+def _worker_listing(app: RouterState) -> dict[str, Any]:
+    return worker_listing(
+        app.snapshot, app.inflight, app.kv_events.worker_status, app.board.describe
+    )
+
+
+async def _no_receive() -> Message:
+    """The router's own routes never read a body."""
+    return {"type": "http.disconnect"}
 
 
 def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def _with_request_id(send: Send, trace: RequestTrace, deployment: bytes) -> Send:
+def _with_request_id(send: Send, trace: Exchange, deployment: bytes) -> Send:
     """`send` for these answers: each carries the request's id and the deployment's
     identity, and its status goes in `trace` for the access log. The control plane reads
     the identity when a worker is added (controlpanel.fleet.discovery): a URL that answers

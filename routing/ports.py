@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from routing.snapshot import Snapshot
-from routing.usage import UsageBatch
+from routing.admission.usage import UsageBatch
+from routing.fleet.snapshot import Snapshot
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,11 @@ class RouterReport:
     traffic: dict[str, dict[str, Any]] = field(default_factory=dict)
     # (worker id, "ejected" or "readmitted", why) since the last report
     ejections: list[tuple[int, str, str]] = field(default_factory=list)
-    # worker id -> its KV events stream and index here (routing.kv_subscriber.report)
+    # worker id -> its KV events stream and index here (routing.kv.kv_subscriber.report)
     kv_events: dict[int, dict[str, Any]] = field(default_factory=dict)
-    # model -> {"queued", "admitted", "shed": per priority class} (routing.admission)
+    # model -> {"queued", "admitted", "shed": per priority class} (routing.admission.admission)
     classes: dict[str, dict[str, list[int]]] = field(default_factory=dict)
-    # (from, to, reason, count): requests moved on to a fallback (routing.fallbacks)
+    # (from, to, reason, count): requests moved on to a fallback (routing.fleet.fallbacks)
     fallbacks: list[tuple[str, str, str, int]] = field(default_factory=list)
 
 

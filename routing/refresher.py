@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from routing.ports import RouterReport, SnapshotSource
-from routing.proxy import RouterApp
+from routing.router import RouterApp
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -28,6 +28,10 @@ RECENT_WINDOW = 60.0
 USAGE_FLUSH_SECONDS = 2.0
 # Workers' reported queues are read this often between snapshot rebuilds: one light query.
 LOAD_REPORTS_SECONDS = 1.0
+# While no request comes, the refresher ticks this often instead of every poll_interval: an
+# idle router then costs a quarter of the CPU, a change reaches it within this long, and the
+# first request wakes it at once.
+IDLE_POLL_SECONDS = 1.0
 
 
 class SnapshotRefresher:
@@ -37,12 +41,14 @@ class SnapshotRefresher:
         source: SnapshotSource,
         *,
         poll_interval: float = 0.25,
+        idle_poll_interval: float = IDLE_POLL_SECONDS,
         max_age: float = 30.0,
         report_interval: float = 1.0,
     ) -> None:
         self.router = router
         self.source = source
         self.poll_interval = poll_interval
+        self.idle_poll_interval = idle_poll_interval
         # A rebuild at least this often, as a safety net under the generation counter.
         self.max_age = max_age
         self.report_interval = report_interval
@@ -77,7 +83,7 @@ class SnapshotRefresher:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.poll_interval)
+            await self._pause()
             await self.refresh_once()
             if self.router.store is not None:
                 await self.router.store.ping_if_due()  # how a Redis marked down comes back
@@ -85,6 +91,18 @@ class SnapshotRefresher:
                 await self.router.readmit_due()
             except Exception:  # a probe must never stop the refresher
                 log.exception("probing ejected workers failed")
+
+    async def _pause(self) -> None:
+        """poll_interval while requests flow; while none comes and nothing is in flight, on
+        until idle_poll_interval, cut short by the first request."""
+        seen = self.router.request_seen
+        seen.clear()
+        await asyncio.sleep(self.poll_interval)
+        rest = self.idle_poll_interval - self.poll_interval
+        if rest <= 0 or seen.is_set() or any(self.router.inflight.values()):
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(seen.wait(), rest)
 
     async def refresh_once(self) -> None:
         try:
@@ -108,7 +126,7 @@ class SnapshotRefresher:
 
     async def _refresh_loads(self) -> None:
         """New queue reports every LOAD_REPORTS_SECONDS, then the fused loads recomputed
-        (routing.fleet_sync recomputes them more often when it runs)."""
+        (routing.peers.fleet_sync recomputes them more often when it runs)."""
         now = time.time()
         if now - self._last_load_reports >= LOAD_REPORTS_SECONDS:
             self._last_load_reports = now

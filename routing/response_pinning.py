@@ -1,4 +1,4 @@
-"""Requests pinned to the worker holding a response's state (routing.response_affinity's ids):
+"""Requests pinned to the worker holding a response's state (routing.peers.response_affinity's ids):
 a `/v1/responses` follow-up by its `previous_response_id`, and `GET /v1/responses/{id}` and
 `POST /v1/responses/{id}/cancel` by their path. The policy that never chooses
 (:class:`PinnedPolicy`), whether the holder can still answer (:func:`holder_state`), the
@@ -11,18 +11,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from routing import access_log, explain
 from routing.errors import error_body
+from routing.fleet.snapshot import ModelRoute, Snapshot, WorkerView
+from routing.peers.response_affinity import DECISION, Holder, Unreachable, by_id
 from routing.policies.base import BasePolicy, Explanation, RequestInfo
-from routing.response_affinity import DECISION, Holder, by_id
 from routing.responses import refuse, respond
-from routing.snapshot import ModelRoute, Snapshot, WorkerView
+from routing.telemetry import access_log, explain
 
 if TYPE_CHECKING:
-    from routing.aliases import AliasRoute
-    from routing.auth import ClientKey
-    from routing.ejection import Ejector
-    from routing.proxy import Exchange, RouterApp
+    from routing.clients.ejection import Ejector
+    from routing.exchange import Exchange
+    from routing.fleet.aliases import AliasRoute
+    from routing.fleet.client_keys import ClientKey
+    from routing.state import RouterState
 
 
 class PinnedPolicy(BasePolicy):
@@ -36,7 +37,7 @@ class PinnedPolicy(BasePolicy):
         super().__init__()
         self.holder, self.inner = holder, inner
 
-    def select(
+    def pick(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
     ) -> WorkerView | None:
         return next((w for w in workers if w.id == self.holder.worker_id), None)
@@ -44,7 +45,7 @@ class PinnedPolicy(BasePolicy):
     def explain(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
     ) -> Explanation:
-        worker = self.select(workers, request, loads)
+        worker = self.pick(workers, request, loads)
         rows = [{"worker": w.name, "load": loads.get(w.id, 0), **self.holder.shown()}
                 for w in workers if w is worker]  # fmt: skip
         return Explanation(DECISION, worker, rows)
@@ -99,7 +100,7 @@ def alias_target(holder: Holder, alias: AliasRoute, drawn: str | None) -> str | 
 
 
 def pin_route(
-    app: RouterApp, ex: Exchange, route: ModelRoute, policy: BasePolicy, holder: Holder
+    app: RouterState, ex: Exchange, route: ModelRoute, policy: BasePolicy, holder: Holder
 ) -> tuple[ModelRoute, BasePolicy] | Gone:
     """The route narrowed to the holder, no fallback (another model has not the state)."""
     worker = holder_state(holder, app.snapshot, app.ejector, route)
@@ -109,40 +110,50 @@ def pin_route(
     return replace(route, workers=(worker,), fallbacks=()), PinnedPolicy(holder, policy)
 
 
-async def place_by_id(app: RouterApp, ex: Exchange) -> None:
-    """GET /v1/responses/{id} and POST /v1/responses/{id}/cancel: to the holder only."""
+async def place_by_id(app: RouterState, ex: Exchange) -> WorkerView | None:
+    """GET /v1/responses/{id} and POST /v1/responses/{id}/cancel: the holder, to forward to
+    (its policy and explanation set on `ex`), or None once the client has its refusal."""
     scope = ex.scope
     path, method = scope["path"], scope["method"]
     found = by_id(path, method)
     if found is None:
         if by_id(path, "GET") or by_id(path, "POST"):
-            return await _refuse(ex, 405, f"{method} is not allowed on {path}")
-        return await _refuse(ex, 404, f"no route {path}")
+            await _refuse(ex, 405, f"{method} is not allowed on {path}")
+        else:
+            await _refuse(ex, 404, f"no route {path}")
+        return None
     rid, _ = found
     client: ClientKey | None = None
     if app.config.require_api_key:
-        from routing.auth import Refusal
+        from routing.admission.auth import Refusal
 
         checked = app.gate.authenticate(scope, app.snapshot.api_keys)
         if isinstance(checked, Refusal):
-            return await refuse(ex.send, checked, ex.trace)
-        client = checked
+            await refuse(ex.send, checked, ex)
+            return None
+        client = ex.client = checked
     holder = await app.responses.find(rid)
-    scope[access_log.PINNED_SCOPE_KEY] = {"response_id": rid, "found_in": None}
+    ex.pinned_shown = {"response_id": rid, "found_in": None}
+    if isinstance(holder, Unreachable):
+        await refuse_unreachable(ex, holder, "response_id")
+        return None
     if holder is None:  # vLLM's own answer: no model to route by, any worker is a guess
-        ex.trace.status = 404
+        ex.status = 404
         body = error_body(404, f"Response with id '{rid}' not found.",
                           kind="invalid_request_error", param="response_id")  # fmt: skip
-        return await respond(ex.send, 404, body, [(access_log.HEADER, ex.trace.request_id)])
-    scope[access_log.PINNED_SCOPE_KEY] = holder.shown()
-    if scope.get(explain.SCOPE_KEY) and explain.allowed(client, app.config.require_api_key):
+        await respond(ex.send, 404, body, [(access_log.HEADER, ex.request_id)])
+        return None
+    ex.pinned_shown = holder.shown()
+    if ex.explain_asked and explain.allowed(client, app.config.require_api_key):
         ex.explain = {}  # filled once the worker is known
     if client is not None and (refusal := await app.gate.admit(client, holder.model)):
-        return await refuse(ex.send, refusal, ex.trace)
+        await refuse(ex.send, refusal, ex)
+        return None
     worker = holder_state(holder, app.snapshot, app.ejector, None)
     if isinstance(worker, Gone):
-        return await _refuse(ex, worker.status, worker.message, worker.param)
-    ex.trace.model = holder.model
+        await _refuse(ex, worker.status, worker.message, worker.param)
+        return None
+    ex.model = holder.model
     ex.policy = PinnedPolicy(holder, app.route_policies().get(holder.model))
     ex.request = RequestInfo(holder.model, {}, scope["headers"])
     ex.worker, ex.decision = worker, DECISION
@@ -151,20 +162,27 @@ async def place_by_id(app: RouterApp, ex: Exchange) -> None:
         ex.explain = {"model": holder.model, "target": None, "policy": PinnedPolicy.name,
                       "decision": DECISION, "worker": worker.name,
                       "candidates": told.candidates, "attempts": []}  # fmt: skip
-    await app._forward_with_retries(ex, (worker,), holder.model)
+    return worker
 
 
 async def refuse_gone(ex: Exchange, gone: Gone, holder: Holder) -> None:
     """The follow-up's error; its explanation says which response pinned it where."""
     if ex.explain is not None:
-        ex.explain = {"model": ex.trace.model, "policy": PinnedPolicy.name,
+        ex.explain = {"model": ex.model, "policy": PinnedPolicy.name,
                       "decision": "holder_gone", "worker": None, **holder.shown()}  # fmt: skip
     await _refuse(ex, gone.status, gone.message, gone.param)
 
 
+async def refuse_unreachable(
+    ex: Exchange, unreachable: Unreachable, param: str = "previous_response_id"
+) -> None:
+    """A 503 with Retry-After: where the response lives cannot be asked now."""
+    await _refuse(ex, 503, unreachable.message(), param)
+
+
 async def _refuse(ex: Exchange, status: int, message: str, param: str | None = None) -> None:
-    ex.trace.status = status
-    headers = [(access_log.HEADER, ex.trace.request_id)]
+    ex.status = status
+    headers = [(access_log.HEADER, ex.request_id)]
     if status == 503:
         headers.append((b"retry-after", b"2"))
     if ex.explain:

@@ -7,11 +7,15 @@ Shared by the proxy's refusals (routing.proxy) and the routes it does not proxy
 
 from __future__ import annotations
 
-from routing import access_log
+from typing import TYPE_CHECKING
+
+from routing.admission.auth import Refusal
 from routing.asgi_types import Send
-from routing.auth import Refusal
 from routing.errors import route_error_body
-from routing.metrics import RequestTrace
+from routing.telemetry import access_log
+
+if TYPE_CHECKING:
+    from routing.exchange import Exchange
 
 JSON = b"application/json"
 
@@ -46,14 +50,30 @@ async def respond_error(
 
 
 async def refuse(
-    send: Send, refusal: Refusal, trace: RequestTrace | None = None, *, path: str = ""
+    send: Send, refusal: Refusal, ex: Exchange | None = None, *, path: str = ""
 ) -> None:
-    """A request turned away by the client gate (routing.auth): 401, 404 or 429. With a
-    `trace` (a model route), the refusal is counted and carries the request id."""
+    """A request turned away by the client gate (routing.admission.auth): 401, 404 or 429. With an
+    exchange (a model route), the refusal is counted and carries the request id."""
     status, headers = refusal.status, list(refusal.headers)
-    if trace is not None:
-        trace.status = refusal.status
-        headers.append((access_log.HEADER, trace.request_id))
+    if ex is not None:
+        ex.status = refusal.status
+        headers.append((access_log.HEADER, ex.request_id))
     await respond_error(
         send, status, refusal.message, refusal.param, extra_headers=headers, path=path
     )
+
+
+async def reject(
+    ex: Exchange,
+    status: int,
+    message: str,
+    param: str | None = None,
+    *,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """A router-made error on a model route, counted under the status it sends, in the
+    shape of the route's family (OpenAI's, or Anthropic's on /v1/messages)."""
+    ex.status = status
+    headers = [*(extra_headers or ()), (access_log.HEADER, ex.request_id)]
+    path = ex.scope["path"]
+    await respond_error(ex.send, status, message, param, extra_headers=headers, path=path)

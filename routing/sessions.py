@@ -6,11 +6,11 @@ Coding agents name their sessions in headers of their own: Claude Code sends
 body's `user` field. The router reads the first of a configured list that the request
 carries, in the list's order (not the headers' order), and that one key drives:
 
-* affinity: an alias's target (routing.aliases, rendezvous hashing) and the
+* affinity: an alias's target (routing.fleet.aliases, rendezvous hashing) and the
   `session_affinity` policy's worker (its ring), both pure functions of the key and the
   snapshot, so every router replica places a session alike with no round trip;
 * fairness: a client key's turns in the fair queue are shared between its sessions
-  (routing.fair_queue), so two agents behind one key share its weight equally;
+  (routing.admission.fair_queue), so two agents behind one key share its weight equally;
 * the access log and X-Route-Explain show it, as a hash (`shown`).
 
 Configuration, once at start: CONTROLPANEL_SESSION_HEADERS, a comma-separated list of

@@ -5,10 +5,10 @@ With `REDIS_URL` set, a key's token buckets live in Redis, so N router processes
 let a key through at its limit, not N times it. One Lua script per request reads, refills
 and takes from both of a key's buckets atomically, on Redis's own clock (so the routers'
 clocks need not agree); it costs one round trip, and only requests made with a key that
-has a limit pay it. The bucket arithmetic is routing.auth's TokenBucket, written in Lua.
+has a limit pay it. The bucket arithmetic is routing.admission.auth's TokenBucket, written in Lua.
 
 Redis is never allowed to stop the proxy. A call that fails or takes longer than
-`timeout` falls back to this process's own buckets (routing.auth: the limit then holds per
+`timeout` falls back to this process's own buckets (routing.admission.auth: the limit then holds per
 process, as without Redis) and marks the store down; /health says "degraded" with the
 error, and the refresher's periodic ping brings it back by itself once Redis answers
 again. While it is down no request waits for Redis: only the ping tries it.
@@ -20,10 +20,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
 
 log = logging.getLogger(__name__)
 
@@ -70,19 +71,35 @@ return {'', '0'}
 """
 
 
+@cache
+def redis_errors() -> tuple[type[Exception], ...]:
+    """What a failed call to Redis raises: RedisError, OSError, TimeoutError.
+
+    A function, for ``except redis_errors():`` (evaluated only when an exception is being
+    matched): redis and its parsers cost a process ~9 MiB, and a router without REDIS_URL
+    never imports them. Only Redis's users call it, on their failure paths.
+    """
+    from redis.exceptions import RedisError
+
+    return (RedisError, OSError, TimeoutError)
+
+
+def redis_client(url: str, timeout: float, **options: Any) -> aioredis.Redis:
+    """A Redis connection pool (redis imported here: see redis_errors)."""
+    import redis.asyncio as aioredis
+
+    return aioredis.Redis.from_url(
+        url, socket_timeout=timeout, socket_connect_timeout=timeout, **options
+    )
+
+
 class SharedStore:
     """One Redis connection pool for the router process; `error` is None while Redis works."""
 
     def __init__(self, url: str, *, timeout: float = 0.25) -> None:
         self.url = url
         self.error: str | None = None
-        self._client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            max_connections=64,
-            health_check_interval=30,
-        )
+        self._client = redis_client(url, timeout, max_connections=64, health_check_interval=30)
         self._script = self._client.register_script(_SCRIPT)
         self._next_ping = 0.0
         self._pending: set[asyncio.Task[None]] = set()
@@ -93,7 +110,7 @@ class SharedStore:
 
     @property
     def client(self) -> aioredis.Redis:
-        """The process's one connection pool, for routing.fleet_sync too."""
+        """The process's one connection pool, for routing.peers.fleet_sync too."""
         return self._client
 
     def mark_down(self, exc: BaseException) -> None:
@@ -131,7 +148,7 @@ class SharedStore:
         try:
             args: list[str | int] = [tpm or 0, rpm or 0, mode, tokens]
             result: list[Any] = await self._script(keys=keys, args=args)
-        except (TimeoutError, RedisError, OSError) as exc:
+        except redis_errors() as exc:
             self._down(exc)
             raise RedisUnavailable(self.error) from exc
         return result
@@ -145,7 +162,7 @@ class SharedStore:
         self._next_ping = now + PING_EVERY_SECONDS
         try:
             await self._client.ping()
-        except (TimeoutError, RedisError, OSError) as exc:
+        except redis_errors() as exc:
             self._down(exc)
             return
         if self.error is not None:

@@ -15,6 +15,8 @@ Modules, in the order a request meets them:
 * ``tokens``: prompts to tokens, the bounded vocabulary, the filler output text.
 * ``generation``: chat and text completions, whole or streamed.
 * ``engine``: the fake engine: FIFO batch admission, prefix-cache LRU, timing, the request log.
+* ``pd``: prefill/decode disaggregation's roles: a prefill's leases, a decode's pull over
+  ``/sim/kv_pull``, the ``kv_transfer_params`` between them, as vLLM's NIXL connector.
 * ``responses``: completion bodies and pre-encoded SSE frames.
 * ``endpoints``: every other endpoint (embeddings, tokenize, models, LoRA, health, /sim/*).
 * ``metrics``: the Prometheus ``/metrics`` page in vLLM's names and buckets.

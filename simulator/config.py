@@ -7,7 +7,11 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SimConfig", "add_cli_arguments", "config_from_options"]
+__all__ = ["ROLES", "SimConfig", "add_cli_arguments", "config_from_options"]
+
+# Prefill/decode disaggregation (simulator.pd): what a vLLM server started with a NIXL
+# connector does, "prefill" as kv_producer, "decode" as kv_consumer; "both" has no connector.
+ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,22 @@ class SimConfig:
     # A Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json): token ids and
     # chat templates as vLLM makes them (simulator.hf_tokenizer); "": one token per word.
     tokenizer: str = ""
+    # Prefill/decode disaggregation (simulator.pd). A prefill keeps a request's blocks for
+    # `kv_lease_s` (vLLM's kv_lease_duration) or until a decode pulls them; a decode pulls
+    # them over HTTP in `kv_transfer_ms_per_block` each, `kv_bytes_per_token` of KV a token
+    # (Llama 3 8B's in bf16). The host a prefill's answers name ("": the one it listens on).
+    role: str = "both"
+    kv_lease_s: float = 30.0
+    kv_transfer_ms_per_block: float = 0.5
+    kv_bytes_per_token: int = 131_072
+    side_channel_host: str = ""
+    # Prefill interference (simulator.engine's "Timing"), off at 0: while prompts are being
+    # computed on this engine, every decode token takes this many ms more per block of them.
+    prefill_interference_ms_per_block: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {self.role!r}")
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +116,32 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer", default="", help="a local Hugging Face tokenizer folder (default: words)"
     )
+    parser.add_argument(
+        "--role", choices=ROLES, default=d.role, help="prefill/decode disaggregation's role"
+    )
+    parser.add_argument(
+        "--kv-lease-s", type=float, default=d.kv_lease_s, help="a prefill keeps blocks this long"
+    )
+    parser.add_argument(
+        "--kv-transfer-ms-per-block",
+        type=float,
+        default=d.kv_transfer_ms_per_block,
+        help="a decode's pull time per block",
+    )
+    parser.add_argument(
+        "--kv-bytes-per-token", type=int, default=d.kv_bytes_per_token, help="KV size per token"
+    )
+    parser.add_argument(
+        "--side-channel-host",
+        default=d.side_channel_host,
+        help="the host a prefill's answers name (default: the one it listens on)",
+    )
+    parser.add_argument(
+        "--prefill-interference-ms-per-block",
+        type=float,
+        default=d.prefill_interference_ms_per_block,
+        help="a decode token's extra ms per prompt block prefilling on the engine (0: off)",
+    )
 
 
 def config_from_options(options: dict[str, Any]) -> SimConfig:
@@ -123,4 +169,12 @@ def config_from_options(options: dict[str, Any]) -> SimConfig:
         kv_events_legacy=bool(options.get("kv_events_legacy")),
         kv_events_buffer=options.get("kv_events_buffer") or SimConfig.kv_events_buffer,
         tokenizer=options.get("tokenizer") or "",
+        role=options.get("role") or SimConfig.role,
+        kv_lease_s=options.get("kv_lease_s", SimConfig.kv_lease_s),
+        kv_transfer_ms_per_block=options.get(
+            "kv_transfer_ms_per_block", SimConfig.kv_transfer_ms_per_block
+        ),
+        kv_bytes_per_token=options.get("kv_bytes_per_token") or SimConfig.kv_bytes_per_token,
+        side_channel_host=options.get("side_channel_host") or "",
+        prefill_interference_ms_per_block=options.get("prefill_interference_ms_per_block") or 0.0,
     )

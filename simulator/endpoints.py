@@ -2,7 +2,9 @@
 LoRA load and unload, ``/health``, ``/ping``, ``/version``, ``/load`` (always there, as in vLLM
 0.32), ``/kv_event_sources``, the Prometheus
 ``/metrics`` and the DCGM exporter's ``/dcgm-metrics``, and the test hooks ``/sim/stats``,
-``/sim/reset`` and ``/sim/control`` (health, fault injection, a slower TTFT, GPU faults).
+``/sim/reset`` and ``/sim/control`` (health, fault injection, a slower TTFT, GPU faults), and
+``/sim/kv_pull``, where a decode simulator takes a prefill simulator's blocks
+(:mod:`simulator.pd`).
 
 The vLLM endpoints share one prologue (:func:`_api`): the request is logged, ``X-Sim-Delay-Ms``
 is honoured, and an :class:`~simulator.wire.ApiError` becomes vLLM's JSON error.
@@ -241,6 +243,23 @@ async def sim_stats(request: web.Request) -> web.Response:
 async def sim_reset(request: web.Request) -> web.Response:
     request.app[SIM_KEY].reset()
     return json_response({"ok": True})
+
+
+async def sim_kv_pull(request: web.Request) -> web.Response:
+    """A decode simulator takes a finished prefill's blocks (simulator.pd): 200 with their
+    size when this engine still holds them (and now lets them go), else 404."""
+    sim = request.app[SIM_KEY]
+    try:
+        data = parse_body(await request.read())
+    except ApiError as exc:
+        return exc.response()
+    rid = data.get("remote_request_id")
+    lease = None
+    if data.get("remote_engine_id") == sim.engine_id and isinstance(rid, str):
+        lease = sim.leases.take(rid)
+    if lease is None:
+        return json_response({"held": False}, 404)
+    return json_response({"held": True, "blocks": lease.blocks, "num_tokens": lease.num_tokens})
 
 
 async def sim_control(request: web.Request) -> web.Response:

@@ -2,6 +2,9 @@
 request into a :class:`~simulator.engine.Job`, let the engine admit and prefill it, then answer
 whole or as an SSE stream, one token every ``itl_ms``. A disconnect cancels the job at once.
 
+With a prefill or decode ``role``, the request's ``kv_transfer_params`` steer the engine
+(:mod:`simulator.pd`), and a prefill leg's answer ends with its own ``kv_transfer_params``.
+
 Fault injection: a ``fail_ratio`` share of valid requests is answered with vLLM's 500 error
 (``fail_status``) before the engine sees it.
 """
@@ -53,7 +56,9 @@ def _make_job(sim: Simulator, request: web.Request, data: dict[str, Any], chat: 
     blocks = -(-(len(tokens) + max_tokens) // cfg.block_size)
     rid = request_id(request, "chatcmpl" if chat else "cmpl")
     lora = model != cfg.model
-    return Job(rid, model, lora, tokens, max_tokens, stream, include_usage, blocks)
+    job = Job(rid, model, lora, tokens, max_tokens, stream, include_usage, blocks)
+    job.kv_params, job.chat = data.get("kv_transfer_params"), chat
+    return job
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -75,7 +80,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if job.stream:
         return await run_stream(sim, request, job, SseFrames(job, chat), delay)
     await run_whole(sim, [job], delay)
-    return json_response(final_body(job, chat))
+    answer = final_body(job, chat)
+    if job.kv_answer is not None:
+        answer["kv_transfer_params"] = job.kv_answer  # a prefill leg's (simulator.pd)
+    return json_response(answer)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -69,12 +69,21 @@ class HfTokenizer:
 
 def _template_source(path: Path, config: Mapping[str, Any]) -> str | None:
     """The chat template where transformers finds it: chat_template.jinja first (what
-    current folders have), then the config's field (a string, or named templates of which
-    "default"). routing.chat_template reads the same, for the router; the simulator may not
-    import it."""
+    current folders have), then chat_template.json (the processors' legacy file, which vLLM
+    reads through the processor; skipped when unreadable), then the config's field (a
+    string, or named templates of which "default"). routing.prompt.chat_template reads the
+    same, for the router; the simulator may not import it."""
     jinja = path / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
+    legacy = path / "chat_template.json"
+    if legacy.is_file():
+        try:
+            found = json.loads(legacy.read_text(encoding="utf-8")).get("chat_template")
+        except (ValueError, AttributeError):
+            found = None
+        if isinstance(found, str):
+            return found
     source = config.get("chat_template")
     if isinstance(source, list):
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)

@@ -6,6 +6,9 @@ against the pages captured from vLLM 0.32 (shared/vllm-captures/metrics-*.txt).
 
 :class:`Metrics` holds the monotonic counters and histograms the engine updates;
 :func:`render_metrics` writes them with the live gauges (running, waiting, KV-cache usage).
+A prefill or decode server (``role``, :mod:`simulator.pd`) adds the NIXL connector's
+families (``vllm:nixl_xfer_time_seconds``, ``vllm:nixl_bytes_transferred``, its failure and
+expiry counters) and fills ``external_kv_transfer`` and the external prefix cache counters.
 The families vLLM has but the simulator cannot fill (multi-modal cache, FLOPs, per-phase
 times...) are left out rather than exported as zeros that would look measured.
 """
@@ -16,14 +19,13 @@ import math
 import time
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from simulator.engine import Simulator
+from simulator.config import SimConfig
 
-__all__ = ["Histogram", "Metrics", "go_float", "render_metrics"]
+__all__ = ["EngineState", "Histogram", "Metrics", "go_float", "render_metrics"]
 
 # vLLM's own bucket bounds, so dashboards built for vLLM read the simulator the same way.
 _TTFT_BUCKETS: tuple[float, ...] = (
@@ -38,6 +40,13 @@ _E2E_BUCKETS: tuple[float, ...] = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+# The NIXL connector's (vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py): a
+# transfer's time (its list from 0.001, without that first bound) and its bytes (2 KiB to
+# 8 GiB, every other power of two).
+_NIXL_TIME_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0,
+)  # fmt: skip
+_NIXL_BYTES_BUCKETS: tuple[float, ...] = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
 Samples = Sequence[tuple[str, float]]  # (labels, value) of one family's samples
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
@@ -131,6 +140,27 @@ class Metrics:
             _E2E_BUCKETS,
         )
     )
+    # Prefill/decode disaggregation (simulator.pd): prompt tokens a decode pulled, the
+    # tokens it asked its connector for (every request's past its local hits), and the NIXL
+    # connector's own series (only on a prefill or decode server's page).
+    external_kv_tokens: int = 0
+    external_queries: int = 0
+    nixl_failed_transfers: int = 0
+    nixl_expired: int = 0
+    nixl_xfer: Histogram = field(
+        default_factory=lambda: Histogram(
+            "vllm:nixl_xfer_time_seconds",
+            "Histogram of transfer duration for NIXL KV Cache transfers.",
+            _NIXL_TIME_BUCKETS,
+        )
+    )
+    nixl_bytes: Histogram = field(
+        default_factory=lambda: Histogram(
+            "vllm:nixl_bytes_transferred",
+            "Histogram of bytes transferred per NIXL KV Cache transfers.",
+            _NIXL_BYTES_BUCKETS,
+        )
+    )
 
 
 def _created(name: str, help_text: str, label_sets: list[str], created: float) -> list[str]:
@@ -152,7 +182,34 @@ def _escape_label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render_metrics(sim: Simulator) -> str:
+class EngineState(Protocol):
+    """What the page reads of an engine (:class:`simulator.engine.Simulator` is one): declared
+    here so that this module need not import the engine, which imports it."""
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def config(self) -> SimConfig: ...
+
+    @property
+    def models(self) -> Sized: ...  # the base model and its adapters
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    @property
+    def deferred(self) -> int: ...  # waiting for their KV blocks (a decode's pull)
+
+    def kv_usage(self) -> float: ...
+
+    def note_lora_state(self) -> None: ...
+
+
+def render_metrics(sim: EngineState) -> str:
     """The whole ``/metrics`` page of one engine, in vLLM's order of families."""
     m = sim.metrics
     engine, model = 'engine="0"', f'model_name="{_escape_label(sim.config.model)}"'
@@ -161,13 +218,19 @@ def render_metrics(sim: Simulator) -> str:
     lines += _counter_lines(sim, engine, model)
     for hist in (m.ttft, m.itl, m.e2e, m.queue):
         lines += hist.render(engine, model, m.created)
+    if sim.config.role != "both":
+        lines += _nixl_lines(sim, engine, model)
     lines += _lora_lines(sim)
     lines += _cache_config_lines(sim)
     return "\n".join(lines) + "\n"
 
 
-def _gauge_lines(sim: Simulator, labels: str) -> list[str]:
-    by_reason = [(f'{labels},reason="capacity"', sim.waiting), (f'{labels},reason="deferred"', 0)]
+def _gauge_lines(sim: EngineState, labels: str) -> list[str]:
+    waiting = sim.waiting + sim.deferred
+    by_reason = [
+        (f'{labels},reason="capacity"', sim.waiting),
+        (f'{labels},reason="deferred"', sim.deferred),
+    ]
     sleep = [
         (f'{labels},sleep_state="awake"', 1),
         (f'{labels},sleep_state="weights_offloaded"', 0),
@@ -175,21 +238,21 @@ def _gauge_lines(sim: Simulator, labels: str) -> list[str]:
     ]
     return [
         *_family("gauge", "vllm:num_requests_running", _HELP["running"], [(labels, sim.running)]),
-        *_family("gauge", "vllm:num_requests_waiting", _HELP["waiting"], [(labels, sim.waiting)]),
+        *_family("gauge", "vllm:num_requests_waiting", _HELP["waiting"], [(labels, waiting)]),
         *_family("gauge", "vllm:num_requests_waiting_by_reason", _HELP["by_reason"], by_reason),
         *_family("gauge", "vllm:engine_sleep_state", _HELP["sleep"], sleep),
         *_family("gauge", "vllm:kv_cache_usage_perc", _HELP["usage"], [(labels, sim.kv_usage())]),
     ]
 
 
-def _counter_lines(sim: Simulator, engine: str, model: str) -> list[str]:
+def _counter_lines(sim: EngineState, engine: str, model: str) -> list[str]:
     m = sim.metrics
     labels = f"{engine},{model}"
-    computed = m.prompt_tokens - m.prefix_hits
+    computed = m.prompt_tokens - m.prefix_hits - m.external_kv_tokens
     by_source = [
         (f'{labels},source="local_compute"', computed),
         (f'{labels},source="local_cache_hit"', m.prefix_hits),
-        (f'{labels},source="external_kv_transfer"', 0),
+        (f'{labels},source="external_kv_transfer"', m.external_kv_tokens),
     ]
     finished = [
         (f'{engine},finished_reason="{r}",{model}', m.finished[r]) for r in FINISHED_REASONS
@@ -197,12 +260,16 @@ def _counter_lines(sim: Simulator, engine: str, model: str) -> list[str]:
     counters: list[tuple[str, str, Samples]] = [
         ("vllm:prefix_cache_queries_total", "queries", [(labels, m.prefix_queries)]),
         ("vllm:prefix_cache_hits_total", "hits", [(labels, m.prefix_hits)]),
-        ("vllm:external_prefix_cache_queries_total", "ext_queries", [(labels, 0)]),
-        ("vllm:external_prefix_cache_hits_total", "ext_hits", [(labels, 0)]),
+        ("vllm:external_prefix_cache_queries_total", "ext_queries", [(labels, m.external_queries)]),
+        ("vllm:external_prefix_cache_hits_total", "ext_hits", [(labels, m.external_kv_tokens)]),
         ("vllm:num_preemptions_total", "preemptions", [(labels, 0)]),
         ("vllm:prompt_tokens_total", "prompt", [(labels, m.prompt_tokens)]),
         ("vllm:prompt_tokens_by_source_total", "by_source", by_source),
-        ("vllm:prompt_tokens_cached_total", "cached", [(labels, m.prefix_hits)]),
+        (
+            "vllm:prompt_tokens_cached_total",
+            "cached",
+            [(labels, m.prefix_hits + m.external_kv_tokens)],
+        ),
         ("vllm:generation_tokens_total", "generation", [(labels, m.generation_tokens)]),
         ("vllm:request_success_total", "success", finished),
     ]
@@ -213,7 +280,27 @@ def _counter_lines(sim: Simulator, engine: str, model: str) -> list[str]:
     return lines
 
 
-def _lora_lines(sim: Simulator) -> list[str]:
+def _nixl_lines(sim: EngineState, engine: str, model: str) -> list[str]:
+    """The NIXL connector's families, as a server with a connector exports them: the
+    transfers' times and sizes (a decode's pulls), their failures, the leases that ran out
+    (a prefill's). Its post times and descriptor counts are left out: nothing to fill them."""
+    m = sim.metrics
+    labels = f"{engine},{model}"
+    lines = m.nixl_xfer.render(engine, model, m.created) + m.nixl_bytes.render(
+        engine, model, m.created
+    )
+    counters = [
+        ("vllm:nixl_num_failed_transfers_total", "nixl_failed", m.nixl_failed_transfers),
+        ("vllm:nixl_num_failed_notifications_total", "nixl_notifications", 0),
+        ("vllm:nixl_num_kv_expired_reqs_total", "nixl_expired", m.nixl_expired),
+    ]
+    for name, key, value in counters:
+        lines += _family("counter", name, _HELP[key], [(labels, value)])
+        lines += _created(name, _HELP[key], [labels], m.created)
+    return lines
+
+
+def _lora_lines(sim: EngineState) -> list[str]:
     """vLLM's ``lora_requests_info`` (with --enable-lora): labelled by max_lora and the
     running and waiting adapters only (no engine, no model_name), its value a time."""
     m = sim.metrics
@@ -232,7 +319,7 @@ def _lora_lines(sim: Simulator) -> list[str]:
     return _family("gauge", "vllm:lora_requests_info", "Running stats on lora requests.", samples)
 
 
-def _cache_config_lines(sim: Simulator) -> list[str]:
+def _cache_config_lines(sim: EngineState) -> list[str]:
     """vLLM's CacheConfig as labels, every one vLLM 0.32 sends, sorted as it sorts them; the
     simulator's own values where it has them, vLLM's defaults for a GPU engine elsewhere."""
     cfg = sim.config
@@ -315,4 +402,10 @@ _HELP = {
     "generation": "Number of generation tokens processed.",
     "success": "Count of successfully processed requests.",
     "cache_config": "Information of the LLMEngine CacheConfig",
+    "nixl_failed": "Number of failed NIXL KV Cache transfers.",
+    "nixl_notifications": "Number of failed NIXL KV Cache notifications.",
+    "nixl_expired": (
+        "Number of requests that had their KV expire. NOTE: This metric is tracked on the P "
+        "instance."
+    ),
 }

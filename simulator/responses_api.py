@@ -112,13 +112,15 @@ def _body(
 
 
 def _usage(job: Job) -> dict[str, Any]:
+    """A finished answer's: always max_tokens long (job.produced is 0 again once the engine
+    has released the job, which a whole response's is before it is saved)."""
     n = len(job.tokens)
     return {
         "input_tokens": n,
         "input_tokens_details": {"cached_tokens": job.cached_tokens or 0},
-        "output_tokens": job.produced,
+        "output_tokens": job.max_tokens,
         "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0},
-        "total_tokens": n + job.produced,
+        "total_tokens": n + job.max_tokens,
     }
 
 
@@ -187,8 +189,7 @@ class _Run:
         sim, job = self.sim, self.job
         try:
             await sim.admit(job)
-            if job.max_tokens > 1 and not sim.instant and sim.config.itl_ms > 0:
-                await asyncio.sleep((job.max_tokens - 1) * sim.config.itl_ms / 1000)
+            await sim.decode_tokens(job.max_tokens - 1)
             job.produced = job.max_tokens
             sim.decoded(job)
             sim.complete(job, asyncio.get_running_loop().time())
@@ -226,10 +227,9 @@ class _Run:
                 "type": "message"})  # fmt: skip
             await event("response.content_part.added", **where, part={
                 "annotations": [], "text": "", "type": "output_text", "logprobs": []})  # fmt: skip
-            itl = 0.0 if sim.instant else sim.config.itl_ms / 1000
             for i in range(job.max_tokens):
-                if i and itl:
-                    await asyncio.sleep(itl)
+                if i and (delay := sim.token_delay_s()):
+                    await asyncio.sleep(delay)
                 job.produced = i + 1
                 sim.decoded(job)
                 word = WORDS_B[i % len(WORDS_B)].decode()

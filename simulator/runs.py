@@ -86,8 +86,7 @@ async def _run_one(sim: Simulator, job: Job) -> None:
     loop = asyncio.get_running_loop()
     try:
         await sim.admit(job)
-        if job.max_tokens > 1 and not sim.instant and sim.config.itl_ms > 0:
-            await asyncio.sleep((job.max_tokens - 1) * sim.config.itl_ms / 1000)
+        await sim.decode_tokens(job.max_tokens - 1)
         job.produced = job.max_tokens
         sim.decoded(job)
         sim.complete(job, loop.time())
@@ -109,10 +108,9 @@ async def run_stream(
             await asyncio.sleep(delay)
         await resp.prepare(request)
         await sim.admit(job)
-        itl = 0.0 if sim.instant else sim.config.itl_ms / 1000
         for i in range(job.max_tokens):
-            if i and itl:
-                await asyncio.sleep(itl)
+            if i and (delay := sim.token_delay_s()):
+                await asyncio.sleep(delay)
             frame = frames.token(i) if i else frames.first()
             job.produced = i + 1
             sim.decoded(job)

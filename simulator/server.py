@@ -10,8 +10,9 @@ embeddings, ``/tokenize``, ``/detokenize``, ``/health``, Prometheus ``/metrics``
 
 Test hooks: the header ``X-Sim-Delay-Ms: N`` delays a request by N ms before anything is sent
 (including the response headers), and ``/sim/stats``, ``/sim/reset`` and ``/sim/control``
-expose and steer the state over HTTP. ``/dcgm-metrics`` serves the server's simulated GPUs
-(``gpus`` of them) as NVIDIA's DCGM exporter would (:mod:`simulator.gpus`).
+expose and steer the state over HTTP; ``/sim/kv_pull`` is how a decode simulator pulls a
+prefill simulator's blocks (:mod:`simulator.pd`). ``/dcgm-metrics`` serves the server's
+simulated GPUs (``gpus`` of them) as NVIDIA's DCGM exporter would (:mod:`simulator.gpus`).
 
 :func:`start_simulator` serves in the running event loop (the tests and in-process benchmarks);
 :func:`run_simulator` blocks until SIGINT or SIGTERM (``python -m simulator``,
@@ -36,6 +37,7 @@ from simulator.config import SimConfig
 from simulator.engine import SIM_KEY, Simulator
 from simulator.generation import chat_completions, completions
 from simulator.kv_publisher import KvEventPublisher
+from simulator.pd import PULL_PATH
 
 __all__ = ["RunningSimulator", "build_app", "run_simulator", "start_simulator"]
 
@@ -99,6 +101,7 @@ def _add_routes(router: web.UrlDispatcher) -> None:
     router.add_get("/sim/stats", endpoints.sim_stats)
     router.add_post("/sim/reset", endpoints.sim_reset)
     router.add_post("/sim/control", endpoints.sim_control)
+    router.add_post(PULL_PATH, endpoints.sim_kv_pull)
 
 
 @dataclass
@@ -112,6 +115,7 @@ class RunningSimulator:
 
     async def stop(self) -> None:
         await self.runner.cleanup()
+        await self.state.close()
         if self.state.kv_events is not None:
             await self.state.kv_events.close()
             self.state.kv_events = None
@@ -132,6 +136,9 @@ async def start_simulator(
     await site.start()
     bound = runner.addresses[0][1]
     shown = f"[{host}]" if ":" in host else host
+    # Where a prefill's blocks are pulled from (simulator.pd): this server's own port.
+    named = config.side_channel_host or (host if host not in ("", "0.0.0.0", "::") else "")
+    app[SIM_KEY].side_channel = (named or "127.0.0.1", bound)
     if config.kv_events_port:
         app[SIM_KEY].kv_events = KvEventPublisher(
             shown,

@@ -5,8 +5,9 @@ nothing by default); one module per policy; load.py and load_index.py, the load 
 index the load-based policies share; and, in this file, the table that registers each
 policy by name, so adding one touches this table and its own module only.
 
-What it may import: the standard library, routing.snapshot (the WorkerViews it chooses
-among), routing.request_text and routing.kv_index (kv_aware's exact index: plain data the
+What it may import: the standard library, routing.fleet.snapshot (the WorkerViews it chooses
+among), routing.policies.request_text and routing.kv.kv_index (kv_aware's exact index: plain data
+the
 router's KV event subscriber fills, read here without I/O). A policy is a pure function of
 the snapshot, the request and the router's in-flight counts: no I/O and nothing to await,
 nothing from routing.proxy or any other routing module, and nothing from Django or

@@ -3,9 +3,9 @@
 A new prefix (a system prompt no worker holds yet) often arrives as a burst: the first turns
 of several users at once, through several routers. One router credits the prompt to the
 worker it chose, so the next request of the burst follows it; another router hears of that
-credit only at its next sync (routing.fleet_sync), and until then sees a miss of its own and
+credit only at its next sync (routing.peers.fleet_sync), and until then sees a miss of its own and
 sends the prompt to its own least loaded worker: two workers then prefill the same prefix.
-bench/replicas.py measured it on ``prefix`` at a cold start: 26-27 misses with two replicas
+bench/replicas/run.py measured it on ``prefix`` at a cold start: 26-27 misses with two replicas
 for the 16 the workload's 16 groups need with one router.
 
 So a miss is placed by a rule every router computes alike without talking: among the

@@ -8,22 +8,22 @@ Hooks let a stateful policy learn from traffic; they do nothing unless overridde
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from routing.snapshot import WorkerView
+from routing.fleet.snapshot import WorkerView
+from routing.kv.kv_index import KvIndex
 
 
 @dataclass(frozen=True, slots=True)
 class RequestInfo:
     """What a policy may know about a request: its model, its parsed JSON body, the
     client's raw headers (as ASGI gives them: lower-case name and value bytes), only for
-    a policy with `needs_request_text` the prompt as text (routing.request_text), and only
+    a policy with `needs_request_text` the prompt as text (routing.policies.request_text), and only
     for one with `needs_request_tokens` its token ids as the worker will see them, when
-    they could be had (routing.tokenize; None otherwise), and its session key, read once by
+    they could be had (routing.prompt.tokenize; None otherwise), and its session key, read once by
     the router (routing.sessions: the configured headers, then `user`; None: none)."""
 
     model: str
@@ -41,23 +41,59 @@ class RequestInfo:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """What the router offers every policy it keeps, again at each snapshot (Policy.attach):
+    kv_aware's exact index of the workers' KV caches (routing.kv.kv_index), and the model's
+    cap on requests in flight shared over its routable workers (rounded up; 0: no cap)."""
+
+    kv_index: KvIndex | None = None
+    slots_per_worker: int = 0
+
+
+def capped_guard(configured: float, slots_per_worker: int) -> float:
+    """The cache-aware policies' load guard (``load - min_load > threshold``) under a model
+    cap: a cap of 6 over 4 workers never lets the configured 32 (or 8) trip, so every session
+    that shares a long system prompt piles onto one worker whose cache cannot hold them all.
+    A worker holding more than its share of the cap over the least loaded is saturated."""
+    return min(configured, slots_per_worker) if slots_per_worker > 0 else configured
+
+
+# A policy's news for other routers: (worker id, the prompt's chunk or block hashes).
+Credit = tuple[int, list[int]]
+
+
 class Policy(Protocol):
     name: ClassVar[str]
     # When False the proxy never extracts prompt text for this policy (it costs CPU).
     needs_request_text: ClassVar[bool]
-    # When True the proxy tokenizes the request first (routing.tokenize: a local tokenizer
+    # When True the proxy tokenizes the request first (routing.prompt.tokenize: a local tokenizer
     # or a hop to the worker's /tokenize), so only kv_aware pays for it.
     needs_request_tokens: ClassVar[bool]
 
     def select(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
-    ) -> WorkerView | None: ...
+    ) -> Choice: ...
 
     def on_request_start(self, worker: WorkerView, request: RequestInfo) -> None: ...
 
     def on_first_byte(self, worker: WorkerView, request: RequestInfo) -> None: ...
 
     def on_request_complete(self, worker: WorkerView, request: RequestInfo, ok: bool) -> None: ...
+
+    # What the router hands a new policy; a policy that needs router state takes it here.
+    def attach(self, context: PolicyContext) -> None: ...
+
+    # Sharing with other routers (routing.peers.fleet_sync): a policy with `shares` gets an
+    # `outbox` of credits to publish, and takes the others' through `credit`, which says
+    # whether it applied one; `shape` names its hashing, so only alike policies agree.
+    shares: ClassVar[bool]
+    outbox: list[Credit] | None
+
+    @property
+    def shape(self) -> str: ...
+
+    def credit(self, worker_id: int, chain: list[int], shape: str) -> bool: ...
 
 
 # One candidate as an explanation shows it: the worker's name and the numbers the policy
@@ -79,7 +115,7 @@ class Explanation:
 class Prediction:
     """What a cache-aware policy expects the chosen worker's prefix cache to hold of the
     request it routed, for the router to check against the answer's
-    usage.prompt_tokens_details.cached_tokens (routing.cache_check): `tokens` when the
+    usage.prompt_tokens_details.cached_tokens (routing.telemetry.cache_check): `tokens` when the
     policy counts tokens (kv_aware); otherwise `share`, the part of the prompt it matched
     (prefix_aware, in bytes), which the check turns into tokens with the answer's
     prompt_tokens. `block_size`: what "within one block" means for this prediction."""
@@ -91,28 +127,46 @@ class Prediction:
     block_size: int = 16
 
 
-class BasePolicy(ABC):
-    """No-op hooks, so a simple policy only writes select().
+NO_WORKER = "no_worker"  # the decision when no worker should take the request
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """What a policy decided for one request: the worker (None: none should take it), the
+    kind of decision (counted per model on /metrics, shown in explanations and the
+    recent-decisions ring), and a cache-aware policy's prediction of what the worker's
+    prefix cache holds of the prompt (checked against the answer)."""
+
+    worker: WorkerView | None
+    decision: str
+    prediction: Prediction | None = None
+
+
+class BasePolicy:
+    """No-op hooks, so a simple policy only writes pick().
 
     `decisions` counts how choices were made, by a short reason ("prefix", "load",
     "fallback", ...); the router exports it per model and policy on /metrics, so an
-    operator can see e.g. how often least_kv had no fresh metrics to go on. `last_decision`
-    is the reason of the latest choice (the router's recent-decisions ring reads it).
+    operator can see e.g. how often least_kv had no fresh metrics to go on. What one
+    request's choice was is the Choice `select` returns, never state left on the policy.
+    A policy whose only kind of decision is `default_decision` writes `pick`; one that
+    decides in several ways, or predicts, overrides `select`.
 
     `explain` tells, without changing any state, what `select` would do and with which
-    numbers (routing.explain: the X-Route-Explain header and the admin dry run). By default
+    numbers (routing.telemetry.explain: the X-Route-Explain header and the admin dry run). By
+    default
     the candidates are ordered by load; a policy deciding by other numbers overrides it."""
 
     name: ClassVar[str] = ""
     needs_request_text: ClassVar[bool] = False
     needs_request_tokens: ClassVar[bool] = False
     default_decision: ClassVar[str] = "load"
+    shares: ClassVar[bool] = False
+    outbox: list[Credit] | None = None
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config = dict(config or {})
         self.decisions: Counter[str] = Counter()
-        self.last_decision = self.default_decision
-        self.last_prediction: Prediction | None = None  # cache-aware policies set it
 
     def explain(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
@@ -121,11 +175,18 @@ class BasePolicy(ABC):
         rows = [{"worker": w.name, "load": loads.get(w.id, 0)} for w in ranked]
         return Explanation(self.default_decision, ranked[0] if ranked else None, rows)
 
-    @abstractmethod
     def select(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
+    ) -> Choice:
+        """Choose one of `workers` (all routable), or none when none should take it."""
+        worker = self.pick(workers, request, loads)
+        return Choice(worker, self.default_decision if worker is not None else NO_WORKER)
+
+    def pick(
+        self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
     ) -> WorkerView | None:
-        """Pick one of `workers` (all routable) or None when none should take the request."""
+        """The worker, for a policy whose only kind of decision is `default_decision`."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither pick nor select")
 
     def on_request_start(self, worker: WorkerView, request: RequestInfo) -> None:
         return None
@@ -135,3 +196,13 @@ class BasePolicy(ABC):
 
     def on_request_complete(self, worker: WorkerView, request: RequestInfo, ok: bool) -> None:
         return None
+
+    def attach(self, context: PolicyContext) -> None:
+        return None
+
+    def credit(self, worker_id: int, chain: list[int], shape: str) -> bool:
+        return False
+
+    @property
+    def shape(self) -> str:
+        return ""

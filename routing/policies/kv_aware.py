@@ -3,8 +3,8 @@
 prefix_aware guesses what a worker's prefix cache holds from the router's own traffic; it
 cannot know that a worker evicted a prefix, restarted, or served someone else. vLLM itself
 publishes every block it stores and evicts (KV cache events), and every router subscribes
-to every worker's events into an exact index (routing.kv_index). This policy routes on that
-index, on the request's token ids as the worker will see them (routing.tokenize).
+to every worker's events into an exact index (routing.kv.kv_index). This policy routes on that
+index, on the request's token ids as the worker will see them (routing.prompt.tokenize).
 
 The rule (NVIDIA Dynamo's KV router cost, with our fused load as the decode term)
 --------------------------------------------------------------------------------
@@ -46,7 +46,7 @@ instead: ``cached(w)`` = the share of the prompt its tree matches (bytes, at chu
 granularity) times ``n``, and the winner, when it is such a worker, is credited there as
 prefix_aware credits (and shared with other routers the same way). Decision ``"fallback"``
 when the winner was scored so. A request without token ids (no tokenizer could make them
-exactly, see routing.tokenize) is routed by prefix_aware's whole rule on the approximate
+exactly, see routing.prompt.tokenize) is routed by prefix_aware's whole rule on the approximate
 index, decision ``"fallback"``. Each fallback is counted by reason in `fallbacks`
 (``no_tokens``; ``unknown_index``: one per request with at least one worker scored
 approximately), exported on /metrics as
@@ -63,10 +63,10 @@ in its own size. A worker whose size neither source has stated yet holds nothing
 knows of (its first store will state it); the pending credit skips it, counted as the
 fallback reason ``block_size_unknown``.
 
-Prediction: `last_prediction` is the cached tokens the winner should report, its
+Prediction: the Choice's `prediction` is the cached tokens the winner should report, its
 ``cached`` in whole blocks and at most ``(n - 1) // b * b`` (``b`` its block size: vLLM
 computes at least the prompt's last token), checked against the answer by
-routing.cache_check.
+routing.telemetry.cache_check.
 
 Knobs (the served model's policy_config; an unknown key or a bad value is a ValueError)
 ---------------------------------------------------------------------------------------
@@ -102,10 +102,10 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     attempt fails. 0 routes on the events alone. The credit is this router's; other
     routers see the blocks from the events.
 
-Cost (bench/kv_aware_cost.py, bench/RESULTS.md): on a 4k-word prompt at 8 workers about
+Cost (bench/kv_aware_cost/run.py, bench/RESULTS.md): on a 4k-word prompt at 8 workers about
 111 µs p50 on the 2-core bench machine, 127 µs when another request's live credit of the
 same prompt is compared (83 µs before the credit existed); mostly one walk of the prompt's chain
-for all workers (routing.kv_holders: each block hashed once, only as far as some worker
+for all workers (routing.kv.kv_holders: each block hashed once, only as far as some worker
 holds the prefix, one lookup per block for all). Tokenization, apart, costs 30-50 times
 that. Not thread-safe (one router, one event loop) and no I/O: tokens come with the
 request.
@@ -119,15 +119,24 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from routing.kv_index import KvIndex, LoraKey, chain_seed
+from routing.fleet.snapshot import WorkerView
+from routing.kv.kv_index import KvIndex, LoraKey, chain_seed
 from routing.policies.agreed_miss import agreed_position
-from routing.policies.base import BasePolicy, Explanation, Prediction, RequestInfo
+from routing.policies.base import (
+    NO_WORKER,
+    BasePolicy,
+    Choice,
+    Explanation,
+    PolicyContext,
+    Prediction,
+    RequestInfo,
+    capped_guard,
+)
 from routing.policies.kv_pending import LazyChain, PendingBlocks
 from routing.policies.load import check_keys, integer, number
 from routing.policies.prefix_aware import PrefixAwarePolicy
 from routing.policies.prefix_trees import held_depth
-from routing.request_text import request_text
-from routing.snapshot import WorkerView
+from routing.policies.request_text import request_text
 
 _KNOBS = ("overlap_weight", "load_weight", "balance_abs_threshold", "balance_rel_threshold",
           "block_size", "pending_seconds", "miss_spread")  # fmt: skip
@@ -177,6 +186,7 @@ class _Scored:
 
 class KvAwarePolicy(BasePolicy):
     name = "kv_aware"
+    shares = True
     needs_request_tokens = True
     default_decision = "kv"
 
@@ -194,6 +204,7 @@ class KvAwarePolicy(BasePolicy):
         self.load_weight = number(name, cfg, "load_weight", 8.0, minimum=0.0)
         self.balance_abs_threshold = number(name, cfg, "balance_abs_threshold", 32, minimum=0.0)
         self.balance_rel_threshold = number(name, cfg, "balance_rel_threshold", 1.1, minimum=1.0)
+        self._guard_abs = self.balance_abs_threshold  # under the model's cap (attach)
         self.block_size = integer(name, cfg, "block_size", 16, minimum=1)
         pending_seconds = number(name, cfg, "pending_seconds", 10.0, minimum=0.0)
         self.miss_spread = number(name, cfg, "miss_spread", 0.0, minimum=0.0)
@@ -206,11 +217,11 @@ class KvAwarePolicy(BasePolicy):
         clock = clock or time.monotonic
         self.approximate = ApproximateIndex(guard, clock=clock, rng=self._rng)
         self.pending = PendingBlocks(pending_seconds, clock)
-        # Set by the router (routing.proxy) to its exact index; None: every worker falls back.
+        # The router's exact index, handed over in attach(); None: every worker falls back.
         self.kv_index: KvIndex | None = None
         self.fallbacks: Counter[str] = Counter()
 
-    # -- sharing the approximate index between routers (routing.fleet_sync) ----------------
+    # -- sharing the approximate index between routers (routing.peers.fleet_sync) ----------------
 
     @property
     def outbox(self) -> list[tuple[int, list[int]]] | None:
@@ -227,13 +238,18 @@ class KvAwarePolicy(BasePolicy):
     def credit(self, worker_id: int, chain: list[int], shape: str) -> bool:
         return self.approximate.credit(worker_id, chain, shape)
 
+    def attach(self, context: PolicyContext) -> None:
+        self.kv_index = context.kv_index
+        self._guard_abs = capped_guard(self.balance_abs_threshold, context.slots_per_worker)
+        self.approximate.attach(context)
+
     # -- the decision ---------------------------------------------------------------------
 
     def select(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
-    ) -> WorkerView | None:
+    ) -> Choice:
         if not workers:
-            return None
+            return Choice(None, NO_WORKER)
         reason = self._fallback_reason(workers, request)
         if reason is not None:
             return self._approximate_select(workers, request, loads, reason)
@@ -247,8 +263,7 @@ class KvAwarePolicy(BasePolicy):
             self.approximate.credit_chain(best.worker.id, hashes)
         elif best.worker.id in chains:
             self.pending.credit(best.worker.id, chains[best.worker.id], request)
-        self._decided(decision, request, best)
-        return best.worker
+        return Choice(best.worker, decision, self._decided(decision, request, best))
 
     def on_first_byte(self, worker: WorkerView, request: RequestInfo) -> None:
         self.pending.confirm(request)
@@ -265,14 +280,12 @@ class KvAwarePolicy(BasePolicy):
         request: RequestInfo,
         loads: Mapping[int, int],
         reason: str,
-    ) -> WorkerView | None:
+    ) -> Choice:
         """prefix_aware's whole rule, on the approximate index."""
         self.fallbacks[reason] += 1
         chosen = self.approximate.select(workers, request, loads)
         self.decisions["fallback"] += 1
-        self.last_decision = "fallback"
-        self.last_prediction = self.approximate.last_prediction
-        return chosen
+        return Choice(chosen.worker, "fallback", chosen.prediction)
 
     def _score(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
@@ -349,7 +362,7 @@ class KvAwarePolicy(BasePolicy):
         cheapest = [row for row in rows if row.cost == low_cost]
         best = self._least_loaded(cheapest)
         low_load = min(row.load for row in rows)
-        guard = best.load - low_load > self.balance_abs_threshold
+        guard = best.load - low_load > self._guard_abs
         if guard and best.load > self.balance_rel_threshold * low_load:
             return "load", self._least_loaded([row for row in rows if row.load == low_load])
         if not any(row.cached >= row.size for row in rows):
@@ -374,14 +387,13 @@ class KvAwarePolicy(BasePolicy):
         tied = [row for row in rows if row.load == low]
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
-    def _decided(self, decision: str, request: RequestInfo, best: _Scored) -> None:
+    def _decided(self, decision: str, request: RequestInfo, best: _Scored) -> Prediction:
         self.decisions[decision] += 1
-        self.last_decision = decision
         n, size = len(request.tokens or ()), best.size
         # Whole blocks, and never the prompt's last token: vLLM always computes that one.
         tokens = min(int(best.cached) // size, max(n - 1, 0) // size) * size
         share = tokens / n if n else 0.0
-        self.last_prediction = Prediction(request, best.worker.id, tokens, share, size)
+        return Prediction(request, best.worker.id, tokens, share, size)
 
     # -- explaining, read-only -----------------------------------------------------------
 

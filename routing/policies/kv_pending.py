@@ -1,6 +1,6 @@
 """Blocks a router has just sent to a worker, before the worker's KV events say it stores them.
 
-The exact index (routing.kv_index) learns a prompt's blocks only when the worker stores
+The exact index (routing.kv.kv_index) learns a prompt's blocks only when the worker stores
 them: after the request has reached it, waited for a batch slot and started its prefill,
 and the event batch has come back. A burst of requests sharing a prefix that arrives inside
 that window would find no worker holding it and be spread by load over every worker, each
@@ -20,7 +20,7 @@ tokenizer that is not the engine's) is seen as its events say once its answer st
 The credit is this router's own: other routers and replicas learn the blocks from the
 worker's events a few milliseconds later. Memory is bounded: at most ``max_blocks``
 credited blocks (oldest credits dropped first), up to block ``max_request_blocks`` of a
-prompt. Keys are routing.kv_index's chain keys. A credit is kept whole, filed under the key
+prompt. Keys are routing.kv.kv_index's chain keys. A credit is kept whole, filed under the key
 of its first block (which the index's walk found), and its later keys are hashed only when
 a lookup compares them, by binary search (a chain key stands for every block before it): a
 credit nobody asks about costs a few operations however long the prompt.

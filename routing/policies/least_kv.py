@@ -46,10 +46,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from routing.policies.base import BasePolicy, Candidate, Explanation, RequestInfo
+from routing.fleet.snapshot import WorkerView
+from routing.policies.base import NO_WORKER, BasePolicy, Candidate, Choice, Explanation, RequestInfo
 from routing.policies.load import check_keys, least_loaded, number
 from routing.policies.load_index import LoadIndex
-from routing.snapshot import WorkerView
 
 
 class LeastKVPolicy(BasePolicy):
@@ -69,20 +69,18 @@ class LeastKVPolicy(BasePolicy):
 
     def select(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
-    ) -> WorkerView | None:
+    ) -> Choice:
         if workers is not self._workers or len(workers) != self._size:
             self._index(workers)
         if not self._fresh:
             if not workers:
-                return None
+                return Choice(None, NO_WORKER)
             self.decisions["fallback"] += 1
-            self.last_decision = "fallback"
             if self._loads.use(workers, loads):
-                return workers[self._loads.least(loads)]
-            return least_loaded(workers, loads)
+                return Choice(workers[self._loads.least(loads)], "fallback")
+            return Choice(least_loaded(workers, loads), "fallback")
         self.decisions["kv"] += 1
-        self.last_decision = "kv"
-        return self._lowest_score(loads)
+        return Choice(self._lowest_score(loads), "kv")
 
     def on_request_start(self, worker: WorkerView, request: RequestInfo) -> None:
         self._loads.touch(worker.id)

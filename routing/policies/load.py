@@ -4,12 +4,12 @@ The load of a worker
 --------------------
 Every load-based policy (shortest_queue, power_of_two, prefix_aware's guard and misses,
 least_kv's fallback and tie-breaker, session_affinity's overload check) reads one number per
-worker from the ``loads`` mapping the router passes it (routing.load_signal computes it):
+worker from the ``loads`` mapping the router passes it (routing.fleet.load_signal computes it):
 
     fleet    = requests in flight on the worker in every router of the deployment, now:
                this router's own count (exact, live) + the other routers' (shared through
-               Redis: routing.load_push's pushed changes, a few ms old, and
-               routing.fleet_sync's 50 ms tick behind them; none without Redis, or while
+               Redis: routing.peers.load_push's pushed changes, a few ms old, and
+               routing.peers.fleet_sync's 50 ms tick behind them; none without Redis, or while
                Redis is down)
     reported = the worker's own count of requests it holds (vLLM's running + waiting), as
                its last probe or agent heartbeat read it, at time t
@@ -35,7 +35,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from routing.snapshot import WorkerView
+from routing.fleet.snapshot import WorkerView
 
 
 def load_of(worker: WorkerView, loads: Mapping[int, int]) -> int:

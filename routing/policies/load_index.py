@@ -14,7 +14,7 @@ How it stays right
   (a retry's, an admission subset's, one made per request while a worker is ejected) is
   scanned and never costs a build. A new ``loads`` mapping object also means a rebuild:
   the router always passes the same live dict. So does a new ``loads.version``
-  (routing.load_signal moves it when its periodic refresh changed loads behind the hooks'
+  (routing.fleet.load_signal moves it when its periodic refresh changed loads behind the hooks'
   backs: another router's requests, a new report), so falls are seen within a refresh.
 * The router changes in-flight counts around the policy's hooks (+1 just before
   `on_request_start`, -1 just before `on_request_complete`); the hooks call `touch`, and the
@@ -37,7 +37,7 @@ earlier decisions is likely a large one, so a worker re-keyed since (picked, or 
 from a higher load) is more likely than the others to come next. Without an `rng`, ties go
 to the earlier in the list: `least_loaded`'s order.
 
-Costs at 1,000 workers (CPython 3.11, bench/decision_cost.py's machine): reading a new
+Costs at 1,000 workers (CPython 3.11, bench/decision_cost/run.py's machine): reading a new
 tuple's ids about 0.13 ms and a build about 0.2 ms (once per snapshot tuple, and
 a build per 256 decisions: under 1 µs a decision amortised), a decision a few µs.
 """
@@ -50,7 +50,7 @@ from heapq import heapify, heappop, heappush, heapreplace
 from itertools import repeat
 from operator import attrgetter
 
-from routing.snapshot import WorkerView
+from routing.fleet.snapshot import WorkerView
 
 INDEX_MIN_WORKERS = 128  # below this, policies scan: exact, and already a few µs
 REBUILD_EVERY = 256  # decisions over the index between rebuilds: bounds unseen decreases

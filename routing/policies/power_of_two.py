@@ -18,9 +18,9 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from routing.fleet.snapshot import WorkerView
 from routing.policies.base import BasePolicy, Explanation, RequestInfo
 from routing.policies.load import load_of, no_config
-from routing.snapshot import WorkerView
 
 
 class PowerOfTwoPolicy(BasePolicy):
@@ -32,7 +32,7 @@ class PowerOfTwoPolicy(BasePolicy):
         no_config(self.name, self.config)
         self.rng = random.Random()
 
-    def select(
+    def pick(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
     ) -> WorkerView | None:
         n = len(workers)

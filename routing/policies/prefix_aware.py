@@ -43,17 +43,10 @@ entries age out), and prompts are matched by chunks rather than character by cha
 
 How prompts are remembered
 --------------------------
-The prompt text (routing.request_text; computed here from the body if the proxy did not
-pass it), as UTF-8, is cut into chunks at fixed offsets: ``chunk_chars`` bytes each for the
-first ``chunk_doubling`` chunks, then twice as long for the next ``chunk_doubling``, and so
-on (for English text a byte is a character). Chunk *i* gets a chained hash naming the whole
-prefix up to its end: CRC-32 and Adler-32 of the prefix, each carried over from the chunk
-before (zlib's running checksums, C speed), side by side in one 64-bit key, the way vLLM
-chains each block's hash to its parent's. The hash is the same in every process (Python's
-own hash() is salted per process), so routers can share what they learned
-(routing.fleet_sync); a collision needs both checksums to agree, which a false prefix match
-of this index, an approximate one, can live with. A short last chunk is hashed too, so a
-repeated short prompt matches whole.
+The prompt text (routing.policies.request_text; computed here from the body if the proxy did not
+pass it) is cut into chunks of ``chunk_chars`` bytes, longer after every ``chunk_doubling``
+of them, each named by a chained hash of the whole prefix up to its end, the same in every
+process (routing.policies.prompt_chunks).
 
 Each worker's prompts are kept in a "tree" (routing.policies.prefix_trees: what it holds of
 any prompt is always a prefix of that prompt's chain, its entries age out by time marks, and
@@ -91,7 +84,7 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
     together with the relative threshold, for the request to go by load instead. The
     default is SGLang's, for GPU workers that run dozens to hundreds of sequences at once;
     with smaller batches set it lower, to about one batch of the workers (e.g. 8 for
-    workers that run 8 at once, as in bench/routing_policies.py): 32 then never triggers
+    workers that run 8 at once, as in bench/routing/run.py): 32 then never triggers
     and a hot prefix queues on one worker. Lower spills sooner, which pays when a cache
     miss is cheap (short prompts, fast prefill); with long shared prefixes every spill is
     a full prefill, so wait for a real queue (bench/RESULTS.md compares 4, 8 and 32).
@@ -143,7 +136,7 @@ Knobs (the served model's policy_config; an unknown key or a bad value is a Valu
 
 Sharing between routers
 -----------------------
-With several routers (routing.fleet_sync), each decision's (worker, chain) is also put in
+With several routers (routing.peers.fleet_sync), each decision's (worker, chain) is also put in
 `outbox` when the router set one, and the router publishes them in batches; every other
 router credits them with `credit()`, as if it had routed the prompt itself, so all build the
 same picture of the workers' caches. `shape` names the chunking, and a credit made with
@@ -161,19 +154,27 @@ import math
 import random
 import time
 from bisect import bisect_left
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from itertools import compress, count, repeat
 from operator import attrgetter, eq
 from typing import Any
-from zlib import adler32, crc32
 
+from routing.fleet.snapshot import WorkerView
 from routing.policies.agreed_miss import agreed_position
-from routing.policies.base import BasePolicy, Explanation, Prediction, RequestInfo
+from routing.policies.base import (
+    NO_WORKER,
+    BasePolicy,
+    Choice,
+    Explanation,
+    PolicyContext,
+    Prediction,
+    RequestInfo,
+    capped_guard,
+)
 from routing.policies.load_index import LoadIndex
-from routing.policies.prefix_trees import PrefixTrees, Tree, held_depth
-from routing.request_text import request_text
-from routing.snapshot import WorkerView
+from routing.policies.prefix_trees import PrefixTrees, held_depth
+from routing.policies.prompt_chunks import PromptChunks
+from routing.policies.request_text import request_text
 
 _DEFAULTS: dict[str, float] = {
     "cache_threshold": 0.5,
@@ -210,8 +211,9 @@ def _setting(
     return value
 
 
-class PrefixAwarePolicy(PrefixTrees, BasePolicy):
+class PrefixAwarePolicy(PromptChunks, PrefixTrees, BasePolicy):
     name = "prefix_aware"
+    shares = True
     needs_request_text = True
 
     def __init__(
@@ -229,9 +231,10 @@ class PrefixAwarePolicy(PrefixTrees, BasePolicy):
         cfg = self.config
         self.cache_threshold = float(_setting(cfg, "cache_threshold", low=0.0, high=1.0))
         self.balance_abs_threshold = float(_setting(cfg, "balance_abs_threshold", low=0.0))
+        self._guard_abs = self.balance_abs_threshold  # under the model's cap (attach)
         self.balance_rel_threshold = float(_setting(cfg, "balance_rel_threshold", low=1.0))
-        self.chunk_chars = int(_setting(cfg, "chunk_chars", integer=True, low=8, high=65536))
-        self.chunk_doubling = int(_setting(cfg, "chunk_doubling", integer=True, low=0))
+        chunk_chars = int(_setting(cfg, "chunk_chars", integer=True, low=8, high=65536))
+        self._init_chunks(chunk_chars, int(_setting(cfg, "chunk_doubling", integer=True, low=0)))
         self.max_entries = int(_setting(cfg, "max_entries", integer=True, low=1))
         self.max_age_s = float(_setting(cfg, "max_age_s", low=0.0, low_open=True))
         self.miss_spread = float(_setting(cfg, "miss_spread", low=0.0))
@@ -239,29 +242,24 @@ class PrefixAwarePolicy(PrefixTrees, BasePolicy):
         self._rng = rng or random.Random()
         self._init_trees(self.max_entries, self.max_age_s)
         self._sweep_queue: list[int] = []  # worker ids still to sweep in this round
-        # Chunk i spans _starts[i] up to _ends[i], sliced by _slices[i]; grown on demand.
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-        self._slices: list[slice] = []
         # The last worker tuple seen (the router passes its snapshot's until the next swap),
         # with its ids and id -> position: per-snapshot work done once.
         self._fleet: Sequence[WorkerView] | None = None
         self._fleet_ids: list[int] = []
         self._fleet_pos: dict[int, int] = {}
-        # (worker id, chain) of each decision, for other routers (routing.fleet_sync);
+        # (worker id, chain) of each decision, for other routers (routing.peers.fleet_sync);
         # None: nobody listens, nothing is kept.
         self.outbox: list[tuple[int, list[int]]] | None = None
-        self.shape = f"{self.chunk_chars}/{self.chunk_doubling}"
-        self._chained_bytes = 0  # the UTF-8 length of the text _chain last cut
+        self._shape = f"{self.chunk_chars}/{self.chunk_doubling}"
         self._index = LoadIndex(self._rng)  # the least loaded, from 128 workers
 
     # -- the decision ---------------------------------------------------------------------
 
     def select(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
-    ) -> WorkerView | None:
+    ) -> Choice:
         if not workers:
-            return None
+            return Choice(None, NO_WORKER)
         now = float(self._clock())
         text = request.text if request.text is not None else request_text(request.body)
         ids, pos = self._fleet_of(workers)
@@ -301,12 +299,12 @@ class PrefixAwarePolicy(PrefixTrees, BasePolicy):
                 reason, at = "miss", self._smallest_tree(self._index.least_tied(loads, 8), ids)
         chosen = workers[at]
         self.decisions[reason] += 1
-        self.last_decision = reason
+        prediction = None
         if index is not None:
             index.touch(chosen.id)
         budget = _SWEEP_BASE + len(hashes)
         if hashes:
-            held = self._predict(request, chosen.id, hashes, held)
+            held, prediction = self._predict(request, chosen.id, hashes, held)
             self._insert(chosen.id, hashes, now, held)
             if self.outbox is not None:
                 self.outbox.append((chosen.id, hashes))
@@ -315,7 +313,7 @@ class PrefixAwarePolicy(PrefixTrees, BasePolicy):
             self._sweep_queue = list(self._trees)
         if self._sweep_queue:
             self._sweep(self._sweep_queue.pop(), now, budget)
-        return chosen
+        return Choice(chosen, reason, prediction)
 
     def on_request_start(self, worker: WorkerView, request: RequestInfo) -> None:
         self._index.touch(worker.id)
@@ -337,19 +335,21 @@ class PrefixAwarePolicy(PrefixTrees, BasePolicy):
 
     def _predict(
         self, request: RequestInfo, worker_id: int, hashes: list[int], held: int | None
-    ) -> int:
-        """Note the share of the prompt the chosen worker holds (routing.cache_check checks
-        it against the answer); returns the chunks it holds, so crediting need not look."""
+    ) -> tuple[int, Prediction]:
+        """The chunks of the prompt the chosen worker holds (so crediting need not look),
+        and its share as the prediction routing.telemetry.cache_check checks."""
         if held is None:
             tree = self._trees.get(worker_id)
             held = held_depth(tree, hashes, 0) if tree is not None else 0
         matched = min(self._ends[held - 1], self._chained_bytes) if held else 0
-        self.last_prediction = Prediction(request, worker_id, None, matched / self._chained_bytes)
-        return held
+        return held, Prediction(request, worker_id, None, matched / self._chained_bytes)
+
+    def attach(self, context: PolicyContext) -> None:
+        self._guard_abs = capped_guard(self.balance_abs_threshold, context.slots_per_worker)
 
     def _overloaded(self, load: int, low: int) -> bool:
         """The load guard: `load` is past both thresholds over the least loaded's `low`."""
-        return load - low > self.balance_abs_threshold and load > self.balance_rel_threshold * low
+        return load - low > self._guard_abs and load > self.balance_rel_threshold * low
 
     def _lightest(self, scanned: list[int] | None, loads: Mapping[int, int]) -> int:
         """The position of a least loaded worker: from `scanned`, or the index's (None)."""
@@ -374,66 +374,6 @@ class PrefixAwarePolicy(PrefixTrees, BasePolicy):
         return spots[0] if len(spots) == 1 else self._rng.choice(spots)
 
     # -- matching -------------------------------------------------------------------------
-
-    def _chain(self, text: str) -> list[int]:
-        """The chained hash of every chunk of `text`, in order (the last one may be short)."""
-        data = memoryview(text.encode("utf-8", "surrogatepass"))
-        n = self._chained_bytes = len(data)
-        if not n:
-            return []
-        if not self._ends or self._ends[-1] < n:
-            self._grow_chunks(n)
-        m = bisect_left(self._starts, n)  # chunks that start inside the text
-        chain: list[int] = []
-        crc, adler = 0, 1
-        for piece in map(data.__getitem__, self._slices[:m]):
-            crc, adler = crc32(piece, crc), adler32(piece, adler)
-            chain.append(crc << 32 | adler)
-        return chain
-
-    def _grow_chunks(self, n: int) -> None:
-        starts, ends, slices = self._starts, self._ends, self._slices
-        pos = ends[-1] if ends else 0
-        while pos < n:
-            i = len(starts)
-            size = self.chunk_chars << (i // self.chunk_doubling if self.chunk_doubling else 0)
-            starts.append(pos)
-            ends.append(pos + size)
-            slices.append(slice(pos, pos + size))
-            pos += size
-
-    def _match(
-        self, hashes: list[int], candidates: Mapping[int, int]
-    ) -> tuple[int, list[int], list[Tree]]:
-        """(d, workers, their trees): the longest match among `candidates` is d chunks, and
-        the workers holding that many are among those returned (_holding narrows)."""
-        heads = self._heads.get(hashes[0])
-        if not heads:
-            return 0, [], []
-        ids = list(filter(candidates.__contains__, heads))
-        if not ids:
-            return 0, [], []
-        trees = (
-            list(heads.values()) if len(ids) == len(heads) else list(map(heads.__getitem__, ids))
-        )
-        # Binary-search one holder's depth d; then, if anyone in the running holds chunk
-        # d + 1, keep only those and search again from there. Usually one round: one tree's
-        # O(log chunks) lookups plus one lookup per other worker sharing the prefix.
-        depth = held_depth(trees[0], hashes, 1)
-        contains = OrderedDict.__contains__
-        while len(trees) > 1 and depth < len(hashes):
-            key = hashes[depth]
-            if not any(map(contains, trees, repeat(key))):
-                break
-            ids, trees = self._holding(key, ids, trees)
-            depth = held_depth(trees[0], hashes, depth + 1)
-        return depth, ids, trees
-
-    @staticmethod
-    def _holding(key: int, ids: list[int], trees: list[Tree]) -> tuple[list[int], list[Tree]]:
-        """The workers among `ids` whose tree holds `key`, and their trees."""
-        has = list(map(OrderedDict.__contains__, trees, repeat(key)))
-        return list(compress(ids, has)), list(compress(trees, has))
 
     # -- explaining, read-only -----------------------------------------------------------
 
@@ -497,6 +437,10 @@ class PrefixAwarePolicy(PrefixTrees, BasePolicy):
         holders = self._holding(hashes[depth - 1], holders, trees)[0]
         holders.sort(key=pos.__getitem__)
         return min(self._ends[depth - 1], self._chained_bytes), holders
+
+    @property
+    def shape(self) -> str:
+        return self._shape
 
     def credit(self, worker_id: int, chain: list[int], shape: str) -> bool:
         """Credit a prompt another router sent to `worker_id` (its chain, made with chunking

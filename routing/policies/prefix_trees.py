@@ -22,12 +22,16 @@ the first-chunk index), so the default ``max_entries`` of 100,000 bounds the pol
 16 MB per served model (a hash table that has just doubled adds up to half as much again
 for a while). Marks are few: one per ``max_age_s / 32`` of use of a tree, dropped as
 they go stale.
+
+Matching a prompt's chain: an index from first-chunk hash to the trees holding it names the
+workers in the running; a binary search finds one holder's depth, then one lookup per other
+holder asks whether anyone holds the next chunk (if so, the search goes on among those).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from itertools import compress, count, islice, repeat
 from operator import is_not
 from typing import Any
@@ -156,6 +160,41 @@ class PrefixTrees:
             self._pop_oldest(worker_id, tree, n, entries=False)
         if not self._sizes[worker_id]:
             del self._trees[worker_id], self._marks[worker_id], self._sizes[worker_id]
+
+    # -- matching: the longest prefix a chain has in the trees of some workers ---------
+
+    def _match(
+        self, hashes: list[int], candidates: Mapping[int, int]
+    ) -> tuple[int, list[int], list[Tree]]:
+        """(d, workers, their trees): the longest match among `candidates` is d chunks, and
+        the workers holding that many are among those returned (_holding narrows)."""
+        heads = self._heads.get(hashes[0])
+        if not heads:
+            return 0, [], []
+        ids = list(filter(candidates.__contains__, heads))
+        if not ids:
+            return 0, [], []
+        trees = (
+            list(heads.values()) if len(ids) == len(heads) else list(map(heads.__getitem__, ids))
+        )
+        # Binary-search one holder's depth d; then, if anyone in the running holds chunk
+        # d + 1, keep only those and search again from there. Usually one round: one tree's
+        # O(log chunks) lookups plus one lookup per other worker sharing the prefix.
+        depth = held_depth(trees[0], hashes, 1)
+        contains = OrderedDict.__contains__
+        while len(trees) > 1 and depth < len(hashes):
+            key = hashes[depth]
+            if not any(map(contains, trees, repeat(key))):
+                break
+            ids, trees = self._holding(key, ids, trees)
+            depth = held_depth(trees[0], hashes, depth + 1)
+        return depth, ids, trees
+
+    @staticmethod
+    def _holding(key: int, ids: list[int], trees: list[Tree]) -> tuple[list[int], list[Tree]]:
+        """The workers among `ids` whose tree holds `key`, and their trees."""
+        has = list(map(OrderedDict.__contains__, trees, repeat(key)))
+        return list(compress(ids, has)), list(compress(trees, has))
 
     def tree_size(self, worker_id: int) -> int:
         """Entries (chunks) remembered for a worker, stale ones not swept yet included."""

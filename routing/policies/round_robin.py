@@ -18,9 +18,9 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from routing.fleet.snapshot import WorkerView
 from routing.policies.base import BasePolicy, Explanation, RequestInfo
 from routing.policies.load import no_config
-from routing.snapshot import WorkerView
 
 
 class RoundRobinPolicy(BasePolicy):
@@ -36,7 +36,7 @@ class RoundRobinPolicy(BasePolicy):
         self._ids: tuple[int, ...] = ()
         self._last_id: int | None = None
 
-    def select(
+    def pick(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
     ) -> WorkerView | None:
         if workers is not self._workers or len(workers) != self._size:

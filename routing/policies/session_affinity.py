@@ -26,8 +26,9 @@ else), so:
   worker had it, about 1/(n+1) of them;
 * a worker's share of the keys is 1/n give or take a few percent, not exactly 1/n as with
   rendezvous hashing's one hash per key and worker: the points are not spread perfectly
-  evenly. Measured (tests/test_policies.py, and 300,000 keys over fleets of 20 to 200),
-  the shares' standard deviation is about 5 % of 1/n, the extremes within about 20 %.
+  evenly. Measured (tests/unit/routing/policies/test_policies.py, and 300,000 keys over
+  fleets of 20 to 200), the shares' standard deviation is about 5 % of 1/n, the extremes
+  within about 20 %.
 
 Why not plain rendezvous hashing: it hashes the key with every worker, about 0.5 µs each in
 Python: 0.5 ms for a session's first request at 1,000 workers. Here a key's first ranks cost
@@ -79,10 +80,10 @@ from operator import sub
 from struct import Struct
 from typing import Any
 
-from routing.policies.base import BasePolicy, Explanation, RequestInfo
+from routing.fleet.snapshot import WorkerView
+from routing.policies.base import NO_WORKER, BasePolicy, Choice, Explanation, RequestInfo
 from routing.policies.load import check_keys, integer, least_loaded, load_of
 from routing.policies.load_index import LoadIndex
-from routing.snapshot import WorkerView
 
 MAX_CACHED_KEY = 256
 CACHED_RANKS = 4  # the first workers of a key's order that the cache remembers
@@ -116,18 +117,17 @@ class SessionAffinityPolicy(BasePolicy):
 
     def select(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
-    ) -> WorkerView | None:
+    ) -> Choice:
         if workers is not self._workers or len(workers) != self._size:
             self._index(workers)
         if not workers:
-            return None
+            return Choice(None, NO_WORKER)
         key = self.session_key(request)
         if key is None:
             self.decisions["no_key"] += 1
-            self.last_decision = "no_key"
             if self._loads.use(workers, loads):
-                return workers[self._loads.least(loads)]
-            return least_loaded(workers, loads)
+                return Choice(workers[self._loads.least(loads)], "no_key")
+            return Choice(least_loaded(workers, loads), "no_key")
         ranks = self._cache.get(key) or self._leaders(key)
         by_id, max_load = self._by_id, self.max_load
         first = True
@@ -136,9 +136,9 @@ class SessionAffinityPolicy(BasePolicy):
             if worker is None:  # not given (gone, ejected, tried): the next one's turn
                 continue
             if loads.get(worker_id, 0) <= max_load:
-                self.last_decision = "affinity" if first else "overflow"
-                self.decisions[self.last_decision] += 1
-                return worker
+                decision = "affinity" if first else "overflow"
+                self.decisions[decision] += 1
+                return Choice(worker, decision)
             first = False
         return self._overflow(key, loads)
 
@@ -220,7 +220,7 @@ class SessionAffinityPolicy(BasePolicy):
                     return
             heapreplace(walks, (points[at + 1] - probe, at + 1, probe))
 
-    def _overflow(self, key: str, loads: Mapping[int, int]) -> WorkerView:
+    def _overflow(self, key: str, loads: Mapping[int, int]) -> Choice:
         """Every remembered leader is overloaded or not given (rare): the next worker in
         the key's order at or under max_load; if none is, the least loaded, the
         higher-ranked on a tie. Both are the first in order at or under a bar."""
@@ -234,9 +234,9 @@ class SessionAffinityPolicy(BasePolicy):
             if top is None:
                 top = worker_id
             if load <= bar:
-                self.last_decision = "affinity" if worker_id == top else "overflow"
-                self.decisions[self.last_decision] += 1
-                return self._by_id[worker_id]
+                decision = "affinity" if worker_id == top else "overflow"
+                self.decisions[decision] += 1
+                return Choice(self._by_id[worker_id], decision)
         raise AssertionError("unreachable: every worker given is on the ring")
 
     def _index(self, workers: Sequence[WorkerView]) -> None:

@@ -20,9 +20,9 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from routing.fleet.snapshot import WorkerView
 from routing.policies.base import BasePolicy, RequestInfo
 from routing.policies.load_index import LoadIndex
-from routing.snapshot import WorkerView
 
 
 class ShortestQueuePolicy(BasePolicy):
@@ -33,7 +33,7 @@ class ShortestQueuePolicy(BasePolicy):
         self.rng = random.Random()
         self._index = LoadIndex(self.rng)
 
-    def select(
+    def pick(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
     ) -> WorkerView | None:
         if self._index.use(workers, loads):

@@ -22,9 +22,9 @@ from collections.abc import Mapping, Sequence
 from itertools import accumulate
 from typing import Any
 
+from routing.fleet.snapshot import WorkerView
 from routing.policies.base import BasePolicy, Explanation, RequestInfo
 from routing.policies.load import no_config
-from routing.snapshot import WorkerView
 
 
 class WeightedRandomPolicy(BasePolicy):
@@ -41,7 +41,7 @@ class WeightedRandomPolicy(BasePolicy):
         self._cumulative: tuple[float, ...] = ()
         self._total = 0.0
 
-    def select(
+    def pick(
         self, workers: Sequence[WorkerView], request: RequestInfo, loads: Mapping[int, int]
     ) -> WorkerView | None:
         if workers is not self._workers or len(workers) != self._size:

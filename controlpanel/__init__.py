@@ -16,6 +16,8 @@ Import rules (enforced by import-linter, see pyproject.toml): the apps are layer
 order, ``routing`` (the data plane) imports none of them, ``simulator`` imports none of them.
 """
 
-from controlpanel.celery import app as celery_app
-
-__all__ = ["celery_app"]
+# The Celery application is *not* imported here, unlike in Celery's Django guide: this package
+# is imported by every process of the project, the router's too, and Celery with kombu,
+# billiard and their dependencies would cost each ~10 MiB it never uses. `celery -A
+# controlpanel` still finds it (Celery looks for `controlpanel.celery` and its `app`), and
+# the tasks modules import it, so their tasks are bound to it wherever they are sent from.

@@ -6,10 +6,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 from collections.abc import Coroutine
 from typing import Any
 
-from django.core.asgi import get_asgi_application
+# httpx's package imports its command line client (httpx._main: rich, pygments) whenever
+# those are installed, as in a development environment: ~5 MiB of a router process for a
+# command no server runs. None in sys.modules makes that import fail as if they were not
+# installed, which httpx expects (it then defines a stub `httpx.main`); the admin API's
+# calls through httpx are unaffected.
+sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
+
+from django.core.asgi import get_asgi_application  # noqa: E402 - after the line above
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlpanel.settings")
 django_app = get_asgi_application()
@@ -24,9 +32,10 @@ from controlpanel.console.consumers import FleetConsumer  # noqa: E402
 from controlpanel.console.live import publisher  # noqa: E402
 from controlpanel.routers.snapshot import DatabaseSnapshotSource  # noqa: E402
 from routing.asgi_types import Receive, Scope, Send  # noqa: E402
-from routing.proxy import RouterApp, RouterConfig  # noqa: E402
 from routing.refresher import SnapshotRefresher  # noqa: E402
+from routing.router import RouterApp  # noqa: E402
 from routing.routes import routes_here  # noqa: E402
+from routing.state import RouterConfig  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +76,7 @@ class ControlPanelApp:
             self.router,
             DatabaseSnapshotSource(),
             poll_interval=settings.ROUTER_SNAPSHOT_POLL_SECONDS,
+            idle_poll_interval=settings.ROUTER_SNAPSHOT_IDLE_POLL_SECONDS,
         )
         self.channels = ProtocolTypeRouter(
             {

@@ -8,11 +8,28 @@ from typing import Any
 from celery import Celery
 from celery.signals import setup_logging
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlpanel.settings")
+from controlpanel import broker
 
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlpanel.settings")
+# The embedded broker's transport ("cpfs://", the default without REDIS_URL), known to kombu
+# before the app reads its broker URL.
+broker.register()
+
+log = logging.getLogger(__name__)
 app = Celery("controlpanel")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["controlpanel.fleet", "controlpanel.rollouts"])
+
+
+@app.task(name="controlpanel.periodic", ignore_result=True)
+def periodic(names: list[str]) -> None:
+    """Run the periodic tasks of one interval here, in order (settings' periodic_schedule):
+    one failing does not keep the others from their turn."""
+    for name in names:
+        try:
+            app.tasks[name]()  # a task called directly runs in this worker thread
+        except Exception:
+            log.exception("periodic task %s failed", name)
 
 
 @setup_logging.connect

@@ -1,4 +1,5 @@
-"""Small validating readers for settings that come from the environment.
+"""Small validating readers for settings that come from the environment, and the shape of
+Celery beat's schedule built from them (`periodic_schedule`).
 
 Every reader fails loudly with ImproperlyConfigured on a bad value, so a typo in a
 deployment stops the process at start instead of surfacing as odd behaviour later.
@@ -7,7 +8,9 @@ deployment stops the process at start instead of surfacing as odd behaviour late
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -90,3 +93,23 @@ def env_session_sources(name: str) -> tuple[str, ...]:
         return parse_sources(raw)
     except ValueError as exc:
         raise ImproperlyConfigured(f"{name}={raw!r}: {exc}") from exc
+
+
+PERIODIC_TASK = "controlpanel.periodic"  # controlpanel.celery.periodic
+
+
+def periodic_schedule(tasks: Mapping[str, float]) -> dict[str, dict[str, Any]]:
+    """Celery beat's schedule: one entry per interval, running that interval's tasks in
+    order (controlpanel.celery.periodic); each expires unrun after its own interval."""
+    by_interval: dict[float, list[str]] = {}
+    for name, seconds in tasks.items():
+        by_interval.setdefault(seconds, []).append(name)
+    return {
+        f"every-{seconds:g}s": {
+            "task": PERIODIC_TASK,
+            "schedule": seconds,
+            "args": (names,),
+            "options": {"expires": seconds},
+        }
+        for seconds, names in by_interval.items()
+    }

@@ -7,6 +7,7 @@ broker); `DATABASE_URL` and `REDIS_URL` switch a deployment to PostgreSQL and Re
 from __future__ import annotations
 
 import secrets
+from importlib.util import find_spec
 from pathlib import Path
 
 import dj_database_url
@@ -21,6 +22,7 @@ from controlpanel.envconf import (
     env_str,
     env_token,
     env_url,
+    periodic_schedule,
 )
 
 # Lets admin classes be written ModelAdmin[Worker] at run time, as the type checker wants.
@@ -71,8 +73,9 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
-    # Swagger UI's own assets (ninja/static), served from here: /api/docs works offline.
-    "ninja",
+    # Not "ninja": as an app Django would import it at setup, and with it pydantic and
+    # django.test (~8 MiB in every process, the router's too). Its Swagger UI assets and
+    # templates are found through NINJA_DIR below instead, so /api/docs still works offline.
     # Bottom to top: each app imports only those above it in this list (import-linter).
     "controlpanel.registry",
     "controlpanel.fleet",
@@ -93,13 +96,19 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
+# django-ninja's folder, found without importing it (find_spec does not run a package).
+_ninja_spec = find_spec("ninja")
+if _ninja_spec is None or not _ninja_spec.submodule_search_locations:
+    raise ImproperlyConfigured("django-ninja is not installed")
+NINJA_DIR = Path(next(iter(_ninja_spec.submodule_search_locations)))
+
 ROOT_URLCONF = "controlpanel.urls"
 ASGI_APPLICATION = "controlpanel.asgi.application"
 
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        "DIRS": [BASE_DIR / "templates", NINJA_DIR / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -131,6 +140,9 @@ else:
     # connections ("too many clients"). Django's pool (psycopg_pool) hands one back at the
     # end of each request instead; Django requires CONN_MAX_AGE 0 with it.
     DATABASES["default"]["CONN_MAX_AGE"] = 0
+    # The pool checks a connection before handing it out: after PostgreSQL restarts, each
+    # connection it held would otherwise fail one request (a 503) before being replaced.
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
         "min_size": 1,
         "max_size": env_int("CONTROLPANEL_DB_POOL_SIZE", 10, minimum=2),
@@ -164,10 +176,9 @@ else:
     _broker_dir = VAR_DIR / "celery-broker"
     for _sub in ("queue", "processed", "control"):
         (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
-    from controlpanel import broker  # only the embedded default needs it
-
-    broker.register()
-    CELERY_BROKER_URL = f"{broker.ALIAS}://"
+    # controlpanel.broker's transport; controlpanel.celery registers it (with kombu, which
+    # only a process that uses Celery should load).
+    CELERY_BROKER_URL = "cpfs://"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir / "queue"),
         "data_folder_out": str(_broker_dir / "queue"),
@@ -192,7 +203,7 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATICFILES_DIRS = [BASE_DIR / "static"]
+STATICFILES_DIRS = [BASE_DIR / "static", NINJA_DIR / "static"]
 STATIC_ROOT = VAR_DIR / "staticfiles"
 STATIC_ROOT.mkdir(exist_ok=True)
 # Serve straight from the app and project folders, so a first run needs no collectstatic.
@@ -210,9 +221,9 @@ CONTROLPANEL_HEARTBEAT_EXPIRY = env_int("CONTROLPANEL_HEARTBEAT_EXPIRY", 90, min
 # Agents beat three times per expiry window, so one lost beat never expires a worker.
 CONTROLPANEL_HEARTBEAT_INTERVAL = max(1, CONTROLPANEL_HEARTBEAT_EXPIRY // 3)
 CONTROLPANEL_DISCOVERY_TIMEOUT = env_float("CONTROLPANEL_DISCOVERY_TIMEOUT", 5.0, minimum=0.1)
-# Client API keys on the router (routing.auth): off by default, so a first run just works.
+# Client API keys on the router (routing.admission.auth): off by default, so a first run just works.
 CONTROLPANEL_REQUIRE_API_KEY = env_bool("CONTROLPANEL_REQUIRE_API_KEY", False)
-# One JSON line per router request on the `routing.access` logger (routing.access_log): on
+# One JSON line per router request on the `routing.access` logger (routing.telemetry.access_log): on
 # stderr, or appended to ACCESS_LOG_FILE (reopened when logrotate moves it); SAMPLE keeps
 # that share of the successful requests' lines (every failure's line is kept).
 # `serve --demo` writes it to var/access.log, so the console shows what happens.
@@ -237,22 +248,24 @@ ROUTER_MAX_CONNECTIONS_PER_WORKER = env_int(
 # on another worker this many times, with a jittered backoff from this many seconds.
 ROUTER_RETRIES = env_int("CONTROLPANEL_RETRIES", 2, minimum=0)
 ROUTER_RETRY_BACKOFF = env_float("CONTROLPANEL_RETRY_BACKOFF", 0.025, minimum=0.0)
-# Outlier ejection (routing.ejection): consecutive failures on real traffic that take a
+# Outlier ejection (routing.clients.ejection): consecutive failures on real traffic that take a
 # worker out of a router's rotation (0: off), and the first cool-down, doubled on repeats.
 ROUTER_EJECT_AFTER = env_int("CONTROLPANEL_EJECT_AFTER", 5, minimum=0)
 ROUTER_EJECT_COOLDOWN = env_float("CONTROLPANEL_EJECT_COOLDOWN", 5.0, minimum=0.1)
-# Admission control (routing.admission), per router process: requests in flight per worker
+# Admission control (routing.admission.admission), per router process: requests in flight per worker
 # (0: no limit; per model: PATCH /api/models/{name} max_inflight), then a bounded FIFO wait.
 ROUTER_MAX_INFLIGHT_PER_WORKER = env_int("CONTROLPANEL_MAX_INFLIGHT_PER_WORKER", 0, minimum=0)
 ROUTER_QUEUE_TIMEOUT = env_float("CONTROLPANEL_QUEUE_TIMEOUT", 10.0, minimum=0.0)
 ROUTER_QUEUE_MAX = env_int("CONTROLPANEL_QUEUE_MAX", 1000, minimum=0)
-# Blocks of one worker's KV cache a router indexes from its events (routing.kv_index); past
+# Blocks of one worker's KV cache a router indexes from its events (routing.kv.kv_index); past
 # it the oldest are dropped. vLLM holds tens of thousands per GPU.
 ROUTER_KV_INDEX_MAX_BLOCKS = env_int("CONTROLPANEL_KV_INDEX_MAX_BLOCKS", 500_000, minimum=16)
 # On SIGTERM the router stops accepting and gives open requests (streams) this long.
 ROUTER_SHUTDOWN_GRACE = env_int("CONTROLPANEL_SHUTDOWN_GRACE", 30, minimum=0)
 ROUTER_BODY_TIMEOUT = env_float("CONTROLPANEL_BODY_TIMEOUT", 30.0, minimum=0.1)
 ROUTER_SNAPSHOT_POLL_SECONDS = env_float("CONTROLPANEL_SNAPSHOT_POLL", 0.25, minimum=0.01)
+# While no request comes, a router polls this often instead (its first request wakes it).
+ROUTER_SNAPSHOT_IDLE_POLL_SECONDS = env_float("CONTROLPANEL_SNAPSHOT_IDLE_POLL", 1.0, minimum=0.01)
 # Where a request's session key is read, first found wins (routing.sessions): it keeps a
 # session on its worker and alias target, and shares a key's fair-queue turns between its
 # sessions. Default: X-Session-ID, x-claude-code-session-id (Claude Code),
@@ -262,10 +275,15 @@ ROUTER_SESSION_SOURCES = env_session_sources("CONTROLPANEL_SESSION_HEADERS")
 # One line format for every process `serve` runs (launcher.router gives uvicorn the same).
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S %Z"
+# Written in batches by a thread of their own, off the request path
+# (routing.telemetry.access_writer).
 _ACCESS_LOG_TO: dict[str, object] = (
-    {"class": "logging.handlers.WatchedFileHandler", "filename": CONTROLPANEL_ACCESS_LOG_FILE}
+    {
+        "class": "routing.telemetry.access_writer.BatchedFileHandler",
+        "filename": CONTROLPANEL_ACCESS_LOG_FILE,
+    }
     if CONTROLPANEL_ACCESS_LOG_FILE
-    else {"class": "logging.StreamHandler"}
+    else {"class": "routing.telemetry.access_writer.BatchedStreamHandler"}
 )
 LOGGING = {
     "version": 1,
@@ -276,7 +294,7 @@ LOGGING = {
     },
     "filters": {
         "access_sample": {
-            "()": "routing.access_log.SampleFilter",
+            "()": "routing.telemetry.access_log.SampleFilter",
             "share": CONTROLPANEL_ACCESS_LOG_SAMPLE,
         },
     },
@@ -306,16 +324,6 @@ LOGGING = {
 }
 
 CONTROLPANEL_HOUSEKEEPING_SECONDS = env_float("CONTROLPANEL_HOUSEKEEPING_SECONDS", 5.0, minimum=0.5)
-CELERY_BEAT_SCHEDULE = {
-    "expire-heartbeats": {
-        "task": "controlpanel.expire_heartbeats",
-        "schedule": CONTROLPANEL_HOUSEKEEPING_SECONDS,
-    },
-    "finish-drains": {
-        "task": "controlpanel.finish_drains",
-        "schedule": CONTROLPANEL_HOUSEKEEPING_SECONDS,
-    },
-}
 
 # --- Health probes (Celery) ----------------------------------------------------------------
 CONTROLPANEL_PROBE_INTERVAL = env_float("CONTROLPANEL_PROBE_INTERVAL", 5.0, minimum=0.2)
@@ -324,7 +332,8 @@ CONTROLPANEL_PROBE_INTERVAL = env_float("CONTROLPANEL_PROBE_INTERVAL", 5.0, mini
 ROUTER_LOAD_REPORT_MAX_AGE = env_float(
     "CONTROLPANEL_LOAD_REPORT_MAX_AGE", 2 * CONTROLPANEL_PROBE_INTERVAL + 1, minimum=0.0
 )
-# With REDIS_URL, push each router's in-flight changes to the others at once (routing.load_push)
+# With REDIS_URL, push each router's in-flight changes to the others at once
+# (routing.peers.load_push)
 # rather than only every 50 ms: what keeps several routers from queueing at a full worker.
 ROUTER_LOAD_PUSH = env_bool("CONTROLPANEL_LOAD_PUSH", True)
 CONTROLPANEL_PROBE_TIMEOUT = env_float("CONTROLPANEL_PROBE_TIMEOUT", 3.0, minimum=0.1)
@@ -353,14 +362,13 @@ CONTROLPANEL_GPU_MEMORY_WARN_PERCENT = env_float(
 # Rollout plans: how often gates are checked and steps moved; a failing gate rolls back
 # within one such interval.
 CONTROLPANEL_ROLLOUT_TICK_SECONDS = env_float("CONTROLPANEL_ROLLOUT_TICK_SECONDS", 5.0, minimum=0.2)
-CELERY_BEAT_SCHEDULE["rollouts-tick"] = {
-    "task": "controlpanel.rollouts_tick",
-    "schedule": CONTROLPANEL_ROLLOUT_TICK_SECONDS,
-    "options": {"expires": CONTROLPANEL_ROLLOUT_TICK_SECONDS},
+# Celery beat's work: task -> seconds. Tasks of one interval go out as one message and run
+# in this order (controlpanel.celery.periodic), so an idle Celery wakes and dispatches once
+# per interval rather than once per task. Rounds queued while no worker ran expire unrun.
+CONTROLPANEL_PERIODIC_TASKS = {
+    "controlpanel.expire_heartbeats": CONTROLPANEL_HOUSEKEEPING_SECONDS,
+    "controlpanel.finish_drains": CONTROLPANEL_HOUSEKEEPING_SECONDS,
+    "controlpanel.rollouts_tick": CONTROLPANEL_ROLLOUT_TICK_SECONDS,
+    "controlpanel.probe_workers": CONTROLPANEL_PROBE_INTERVAL,
 }
-CELERY_BEAT_SCHEDULE["probe-workers"] = {
-    "task": "controlpanel.probe_workers",
-    "schedule": CONTROLPANEL_PROBE_INTERVAL,
-    # Rounds queued while no Celery worker ran are stale: never run them in a burst.
-    "options": {"expires": CONTROLPANEL_PROBE_INTERVAL},
-}
+CELERY_BEAT_SCHEDULE = periodic_schedule(CONTROLPANEL_PERIODIC_TASKS)

@@ -14,8 +14,10 @@ supervisor. What lives here:
 - `router`: the entry point of each router child (`python -m launcher.router --fd N`),
   uvicorn serving `controlpanel.asgi:application` on the inherited socket.
 
-What it may import: the standard library only. `launcher.router` alone imports uvicorn, and
-only ever runs in a router child, never in the supervisor; the application itself is loaded
-there by its dotted path. Nothing here imports Django, Celery, Channels or the
-`controlpanel`, `routing` or `simulator` packages (an import-linter contract says so).
+What it may import: the standard library and `harness.processes` (starting a child, waiting
+for a URL, stopping children and process groups: the standard library only as well).
+`launcher.router` alone imports uvicorn, and only ever runs in a router child, never in the
+supervisor; the application itself is loaded there by its dotted path. Nothing here imports
+Django, Celery, Channels, an HTTP client or the `controlpanel`, `routing` or `simulator`
+packages (an import-linter contract says so).
 """

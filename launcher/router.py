@@ -14,10 +14,12 @@ This module runs only in a router child, never in the supervisor; it is the one 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
 import socket
+from types import FrameType
 
 import uvicorn
 
@@ -44,6 +46,32 @@ LOG_CONFIG = {
 }
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, ticking once a second rather than ten times.
+
+    uvicorn's main loop wakes every 0.1 s only to notice a signal and, every tenth time, to
+    renew the Date header. Here it renews the header at each of its once-a-second ticks, and
+    a signal wakes it at once, so an idle router's event loop sleeps nine wake-ups a second
+    longer (issue #29: idle costs nothing) and stops as promptly as before.
+    """
+
+    _woken: asyncio.Event | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    async def main_loop(self) -> None:
+        self._loop, self._woken = asyncio.get_running_loop(), asyncio.Event()
+        should_exit = await self.on_tick(0)
+        while not should_exit:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), 1.0)
+            should_exit = await self.on_tick(0)  # 0: a tick that renews the Date header
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if self._loop is not None and self._woken is not None:
+            self._loop.call_soon_threadsafe(self._woken.set)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.router")
     parser.add_argument("--fd", type=int, required=True, help="the inherited listening socket")
@@ -57,7 +85,7 @@ def main() -> int:
         timeout_graceful_shutdown=args.grace,
         log_config=LOG_CONFIG,
     )
-    server = uvicorn.Server(config)
+    server = Server(config)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
     number = int(os.environ.get("CONTROLPANEL_ROUTER_INDEX", "0")) + 1

@@ -28,6 +28,8 @@ class RegisterIn(Schema):
     # vLLM's KV cache events endpoints (tcp://host:port); None leaves them as set.
     kv_events: str | None = Field(default=None, max_length=512)
     kv_events_replay: str | None = Field(default=None, max_length=512)
+    # "prefill", "decode" or "both" (routing.pd); None leaves it as set ("both" for a new one).
+    role: str | None = Field(default=None, max_length=16)
 
 
 class RegisterOut(Schema):
@@ -73,6 +75,7 @@ def workers_register(request: HttpRequest, payload: RegisterIn) -> Any:
         api_key=payload.api_key,
         kv_events=payload.kv_events,
         kv_events_replay=payload.kv_events_replay,
+        role=payload.role,
     )
     return {"id": worker.pk, "heartbeat_interval": settings.CONTROLPANEL_HEARTBEAT_INTERVAL}
 

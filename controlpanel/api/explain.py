@@ -10,7 +10,7 @@ from ninja import Body, Router
 from ninja.errors import HttpError
 
 from controlpanel.api.auth import ADMIN_AUTH
-from routing import explain
+from routing.telemetry import explain
 
 router = Router()
 

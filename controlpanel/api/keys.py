@@ -17,7 +17,7 @@ from controlpanel.keys import services as keys
 from controlpanel.keys.budgets import api_key_budgets
 from controlpanel.registry.accounts import request_actor
 from controlpanel.registry.models import ApiKey
-from routing.priority import PRIORITIES, STANDARD
+from routing.fleet.priority import PRIORITIES, STANDARD
 
 router = Router(auth=ADMIN_AUTH, tags=["keys"])
 
@@ -154,11 +154,11 @@ def keys_update(request: HttpRequest, key_id: int, payload: KeyPatch) -> Any:
     second. The key itself never changes (revoke it and make a new one for that)."""
     sent = payload.model_dump(exclude_unset=True)
     allow_unknown = sent.pop("allow_unknown_models", False)
+    for field in ("name", "models", "explain", "priority", "weight"):  # named as sent
+        if field in sent and sent[field] is None:
+            raise HttpError(422, f"`{field}` cannot be null")
     renamed = {"models": "allowed_models", "explain": "can_explain"}
     changes = {renamed.get(field, field): value for field, value in sent.items()}
-    for field in ("name", "allowed_models", "can_explain", "priority", "weight"):
-        if field in changes and changes[field] is None:
-            raise HttpError(422, f"`{field}` cannot be null")
     if not changes:
         raise HttpError(422, f"send at least one of {', '.join(KeyPatch.model_fields)}")
     return keys.api_key_update(

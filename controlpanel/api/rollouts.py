@@ -13,7 +13,8 @@ from controlpanel.api.auth import ADMIN_AUTH
 from controlpanel.api.limits import MAX_INT
 from controlpanel.api.strict import StrictIn
 from controlpanel.registry.accounts import request_actor
-from controlpanel.registry.models import ACTIVE_ROLLOUT_STATES, Alias, RolloutPlan, RolloutState
+from controlpanel.registry.choices import RolloutState
+from controlpanel.registry.models import ACTIVE_ROLLOUT_STATES, Alias, RolloutPlan
 from controlpanel.rollouts import aliases, plans, transitions
 
 router = Router(auth=ADMIN_AUTH)
@@ -23,7 +24,7 @@ class AliasIn(StrictIn):
     name: str = Field(max_length=300)
     targets: dict[str, int]  # {model name: weight}
     description: str = Field(default="", max_length=500)
-    # Ordered model or alias names its requests move on to (routing.fallbacks).
+    # Ordered model or alias names its requests move on to (routing.fleet.fallbacks).
     fallbacks: list[str] = Field(default_factory=list, max_length=64)
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
+from django.db import transaction
 from django.http import HttpRequest
 from ninja import Field, Router, Schema
 from ninja.errors import HttpError
 
 from controlpanel.api.auth import ADMIN_AUTH
+from controlpanel.api.limits import MAX_INT
 from controlpanel.api.strict import StrictIn
 from controlpanel.fleet import fallbacks, selectors, served_models
 from controlpanel.registry.accounts import request_actor
@@ -26,8 +28,12 @@ class ServedModelOut(Schema):
     max_inflight: int
     preflight: str  # "warn" or "refuse" (controlpanel.fleet.preflight)
     tokenizer: str  # kv_aware's local tokenizer folder; "": the workers' /tokenize
-    priority_reserve: float  # the slots share `sheddable` may never hold (routing.priority)
-    fallbacks: list[str]  # names its requests move on to, in order (routing.fallbacks)
+    # The slots share `sheddable` may never hold (routing.fleet.priority).
+    priority_reserve: float
+    fallbacks: list[str]  # names its requests move on to, in order (routing.fleet.fallbacks)
+    # Disaggregated (it has prefill workers, routing.pd): shorter uncached prompts (tokens)
+    # skip the prefill leg.
+    pd_bypass_tokens: int
     workers: list[int]
     updated_at: datetime
 
@@ -51,6 +57,9 @@ class ServedModelPatch(StrictIn):
     priority_reserve: float | None = None
     # Ordered model or alias names to move on to when this one cannot answer; []: none.
     fallbacks: list[str] | None = Field(default=None, max_length=64)
+    # A disaggregated model's prompts shorter than this (uncached tokens) skip the prefill
+    # leg and go whole to a decode-capable worker; 0: every request takes the prefill leg.
+    pd_bypass_tokens: int | None = Field(default=None, ge=0, le=MAX_INT)
 
 
 @router.get("/models", response=list[ServedModelOut], auth=ADMIN_AUTH, tags=["models"])
@@ -74,41 +83,48 @@ def models_get(request: HttpRequest, name: str) -> Any:
 def models_set_policy(request: HttpRequest, name: str, payload: ServedModelPatch) -> Any:
     """Choose the balancing policy of one model (names: see GET /api/policies), its
     in-flight limit (`max_inflight`, 0: none), preflight mode, kv_aware's local
-    `tokenizer` folder ("": none) and/or its `fallbacks` (ordered model or alias names)."""
+    `tokenizer` folder ("": none), its `fallbacks` (ordered model or alias names) and/or
+    `pd_bypass_tokens` (a disaggregated model's shortest prompt taking the prefill leg)."""
     fields = (payload.policy, payload.max_inflight, payload.preflight, payload.tokenizer,
-              payload.priority_reserve, payload.fallbacks)  # fmt: skip
+              payload.priority_reserve, payload.fallbacks, payload.pd_bypass_tokens)  # fmt: skip
     if all(value is None for value in fields):
         raise HttpError(
             422,
             "send `policy` (with `policy_config`), `max_inflight`, `preflight`, `tokenizer`, "
-            "`priority_reserve` and/or `fallbacks`",
+            "`priority_reserve`, `fallbacks` and/or `pd_bypass_tokens`",
         )
     model = ServedModel.objects.get(name=name)
-    if payload.fallbacks is not None:  # first too: a refused list changes nothing
-        model = fallbacks.served_model_set_fallbacks(
-            name=name, fallbacks=payload.fallbacks, actor=request_actor(request)
-        )
-    if payload.tokenizer is not None:  # first: a folder that cannot load changes nothing
-        model = served_models.served_model_set_tokenizer(
-            name=name, tokenizer=payload.tokenizer, actor=request_actor(request)
-        )
-    if payload.policy is not None:
-        model = served_models.served_model_set_policy(
-            name=name, policy=payload.policy, policy_config=payload.policy_config,
-            actor=request_actor(request),
-        )  # fmt: skip
-    if payload.max_inflight is not None:
-        model = served_models.served_model_set_limit(
-            name=name, max_inflight=payload.max_inflight, actor=request_actor(request)
-        )
-    if payload.preflight is not None:
-        model = served_models.served_model_set_preflight(
-            name=name, mode=payload.preflight, actor=request_actor(request)
-        )
-    if payload.priority_reserve is not None:
-        model = served_models.served_model_set_reserve(
-            name=name, priority_reserve=payload.priority_reserve, actor=request_actor(request)
-        )
+    # One request, one outcome: a setting refused after others were set undoes them all.
+    with transaction.atomic():
+        if payload.fallbacks is not None:  # first too: a refused list changes nothing
+            model = fallbacks.served_model_set_fallbacks(
+                name=name, fallbacks=payload.fallbacks, actor=request_actor(request)
+            )
+        if payload.tokenizer is not None:  # first: a folder that cannot load changes nothing
+            model = served_models.served_model_set_tokenizer(
+                name=name, tokenizer=payload.tokenizer, actor=request_actor(request)
+            )
+        if payload.policy is not None:
+            model = served_models.served_model_set_policy(
+                name=name, policy=payload.policy, policy_config=payload.policy_config,
+                actor=request_actor(request),
+            )  # fmt: skip
+        if payload.max_inflight is not None:
+            model = served_models.served_model_set_limit(
+                name=name, max_inflight=payload.max_inflight, actor=request_actor(request)
+            )
+        if payload.preflight is not None:
+            model = served_models.served_model_set_preflight(
+                name=name, mode=payload.preflight, actor=request_actor(request)
+            )
+        if payload.priority_reserve is not None:
+            model = served_models.served_model_set_reserve(
+                name=name, priority_reserve=payload.priority_reserve, actor=request_actor(request)
+            )
+        if payload.pd_bypass_tokens is not None:
+            model = served_models.served_model_set_pd_bypass(
+                name=name, pd_bypass_tokens=payload.pd_bypass_tokens, actor=request_actor(request)
+            )
     return _with_workers([model])[0]
 
 

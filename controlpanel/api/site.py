@@ -3,14 +3,17 @@ the routers of every domain, mounted in the order their paths must be matched.""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse
-from ninja import NinjaAPI
+from django.shortcuts import render
+from ninja import NinjaAPI, Swagger
 from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.openapi.docs import _csrf_needed
 
 from controlpanel.api import agents, explain, keys, rollouts, served_models, workers
 from controlpanel.registry import errors
@@ -19,6 +22,22 @@ from routing.errors import error_payload
 
 log = logging.getLogger(__name__)
 
+
+class OfflineSwagger(Swagger):
+    """Swagger UI from ninja's own assets, served here, never its CDN: ninja falls back to the
+    CDN whenever "ninja" is not an installed app, and it is not one (settings.NINJA_DIR says
+    why), so this renders ninja's template as ninja does for an installed app."""
+
+    def render_page(self, request: HttpRequest, api: NinjaAPI, **kwargs: Any) -> HttpResponse:
+        self.settings["url"] = self.get_openapi_url(api, kwargs)
+        context = {
+            "swagger_settings": json.dumps(self.settings, indent=1),
+            "api": api,
+            "add_csrf": _csrf_needed(api),
+        }
+        return render(request, self.template, context)
+
+
 api = NinjaAPI(
     title="vLLM Control Panel API",
     version="1",
@@ -26,6 +45,7 @@ api = NinjaAPI(
     "`Authorization: Bearer $CONTROLPANEL_ADMIN_TOKEN` or a staff session; agent calls take "
     "`Authorization: Bearer $CONTROLPANEL_WORKER_TOKEN`.",
     urls_namespace="api",
+    docs=OfflineSwagger(),
 )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from django.http import HttpRequest
 from django.utils import timezone
@@ -17,6 +17,8 @@ from controlpanel.registry.accounts import request_actor
 from controlpanel.registry.models import Worker
 
 router = Router()
+
+Role = Literal["prefill", "decode", "both"]  # registry.models.WorkerRole
 
 
 class ModelOut(Schema):
@@ -40,6 +42,8 @@ class WorkerOut(Schema):
     has_api_key: bool  # the key itself is never returned
     kv_events: str  # vLLM's KV cache events endpoint, "" for none (routers subscribe)
     kv_events_replay: str
+    # Its part in prefill/decode disaggregation (routing.pd): "prefill", "decode" or "both".
+    role: str
 
     @staticmethod
     def resolve_has_api_key(obj: Worker) -> bool:
@@ -92,6 +96,8 @@ class WorkerIn(StrictIn):
     # Left out (or null): read from the worker's GET /kv_event_sources; "": none.
     kv_events: str | None = Field(default=None, max_length=512)
     kv_events_replay: str | None = Field(default=None, max_length=512)
+    # Prefill/decode disaggregation: a model with "prefill" workers is disaggregated.
+    role: Role = "both"
 
 
 class WorkerPatch(StrictIn):
@@ -102,6 +108,7 @@ class WorkerPatch(StrictIn):
     api_key: str | None = Field(default=None, max_length=512)  # "" removes it
     kv_events: str | None = Field(default=None, max_length=512)  # "" removes it
     kv_events_replay: str | None = Field(default=None, max_length=512)  # "" removes it
+    role: Role | None = None
 
 
 class LoraIn(StrictIn):
@@ -123,6 +130,7 @@ def workers_add(request: HttpRequest, payload: WorkerIn) -> Any:
         api_key=payload.api_key,
         kv_events=payload.kv_events,
         kv_events_replay=payload.kv_events_replay,
+        role=payload.role,
         actor=request_actor(request),
     )
     return 201, worker
@@ -161,6 +169,7 @@ def workers_update(request: HttpRequest, worker_id: int, payload: WorkerPatch) -
         api_key=payload.api_key,
         kv_events=payload.kv_events,
         kv_events_replay=payload.kv_events_replay,
+        role=payload.role,
         actor=request_actor(request),
     )
 

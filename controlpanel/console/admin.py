@@ -11,13 +11,8 @@ from controlpanel.fleet import fallbacks, served_models, services
 from controlpanel.fleet.errors import InvalidModelSetting, InvalidPolicy, InvalidTokenizer
 from controlpanel.registry import events
 from controlpanel.registry.accounts import request_actor
-from controlpanel.registry.models import (
-    Event,
-    EventKind,
-    RouterInstance,
-    ServedModel,
-    Worker,
-)
+from controlpanel.registry.choices import EventKind
+from controlpanel.registry.models import Event, RouterInstance, ServedModel, Worker
 
 M = TypeVar("M", bound=models.Model)
 
@@ -93,8 +88,8 @@ class AuditedAdmin(admin.ModelAdmin[M]):
 
 @admin.register(Worker)
 class WorkerAdmin(AuditedAdmin[Worker]):
-    list_display = ("name", "url", "state", "source", "queue_length", "last_heartbeat")
-    list_filter = ("state", "source")
+    list_display = ("name", "url", "state", "role", "source", "queue_length", "last_heartbeat")
+    list_filter = ("state", "role", "source")
     search_fields = ("name", "url")
     # State changes go through the actions (the services: events, drains that finish, the
     # routers told); what probes, routers and agents write is theirs, shown, never typed.

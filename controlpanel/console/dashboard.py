@@ -18,6 +18,7 @@ from django.utils import timezone
 from controlpanel.console.gpu_dashboard import GpuCell, gpu_strip
 from controlpanel.fleet.selectors import sole_models
 from controlpanel.fleet.traffic_health import RATE_WINDOW_SECONDS
+from controlpanel.registry.choices import WorkerRole
 from controlpanel.registry.models import ROUTER_LIVENESS, RouterInstance, Worker, WorkerSample
 
 SPARKLINE_MINUTES = 15
@@ -175,11 +176,13 @@ class ModelTotals:
     waiting: int | None = None
     rps: float | None = None
     loras: set[str] = field(default_factory=set)
+    roles: str = ""  # "2 prefill · 3 decode · 1 both" when disaggregated (role_counts)
 
 
 def model_totals(rows: list[Row]) -> list[ModelTotals]:
     """Per base model: how many workers, how many take traffic, and their summed load."""
     totals: dict[str, ModelTotals] = {}
+    serving: dict[str, list[Worker]] = {}
     for row in rows:
         for entry in row.worker.models:
             if entry.get("parent"):
@@ -187,7 +190,19 @@ def model_totals(rows: list[Row]) -> list[ModelTotals]:
             total = totals.setdefault(entry["id"], ModelTotals(entry["id"]))
             _add_row(total, row)
             total.loras.update(m["id"] for m in row.worker.models if m.get("parent"))
+            serving.setdefault(entry["id"], []).append(row.worker)
+    for total in totals.values():
+        total.roles = role_counts(serving[total.name])
     return sorted(totals.values(), key=lambda t: t.name)
+
+
+def role_counts(workers: list[Worker]) -> str:
+    """A model's workers by their part in prefill/decode disaggregation, e.g. "2 prefill ·
+    3 decode · 1 both"; "" when all are "both" (the model is not disaggregated)."""
+    counts = {role: sum(w.role == role for w in workers) for role in WorkerRole.values}
+    if not counts[WorkerRole.PREFILL] and not counts[WorkerRole.DECODE]:
+        return ""
+    return " · ".join(f"{n} {role}" for role, n in counts.items() if n)
 
 
 def _add_row(total: ModelTotals, row: Row) -> None:

@@ -19,8 +19,9 @@ from django.db.models import Max, Q, QuerySet
 from django.http import QueryDict
 from django.utils import timezone
 
+from controlpanel.registry.choices import EventKind
 from controlpanel.registry.events import value_text
-from controlpanel.registry.models import Event, EventKind
+from controlpanel.registry.models import Event
 
 PAGE_SIZE = 200
 SINCE = {"15m": 15, "1h": 60, "6h": 360, "24h": 1440, "7d": 10080}
@@ -113,7 +114,8 @@ def _choice(value: str, allowed: dict[str, Any], what: str, errors: list[str]) -
 def _number(value: str, what: str, errors: list[str]) -> int | None:
     if not value:
         return None
-    if value.isdigit() and len(value) < 19:
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses (a 500).
+    if value.isascii() and value.isdigit() and len(value) < 19:
         return int(value)
     errors.append(f"{what.capitalize()} {value!r} is not a number; that filter is left out.")
     return None

@@ -20,8 +20,10 @@ from controlpanel.keys.budgets import api_key_budgets
 from controlpanel.registry.accounts import request_actor
 from controlpanel.registry.errors import ServiceError
 from controlpanel.registry.models import ApiKey
-from routing.priority import PRIORITIES, STANDARD
+from routing.fleet.priority import PRIORITIES, STANDARD
 
+# The columns' bounds: rpm and tpm are integers, the token budgets big integers.
+MAX_RATE, MAX_BUDGET = 2**31 - 1, 2**63 - 1
 USAGE_PERIODS = {"today": 0, "7d": 6, "30d": 29, "all": None}  # days before today
 # The create form's fields that come back after an error (the key's settings, no secret).
 FORM_FIELDS = (
@@ -70,8 +72,8 @@ def key_create(request: HttpRequest) -> HttpResponse:
         issued = keys.api_key_create(
             name=form.get("name", ""),
             models=form.get("models", "").split(","),
-            rpm=_limit(form.get("rpm", "")),
-            tpm=_limit(form.get("tpm", "")),
+            rpm=_limit(form.get("rpm", ""), MAX_RATE),
+            tpm=_limit(form.get("tpm", ""), MAX_RATE),
             actor=request_actor(request),
             allow_unknown_models=form.get("allow_unknown_models") == "1",
             can_explain=form.get("can_explain") == "1",
@@ -149,11 +151,14 @@ def usage_page(request: HttpRequest) -> HttpResponse:
     return render(request, "controlpanel/usage.html", context)
 
 
-def _limit(raw: str) -> int | None:
-    """A limit field: empty means none; anything else must be a whole number."""
+def _limit(raw: str, top: int = MAX_BUDGET) -> int | None:
+    """A limit field: empty means none; anything else must be a whole number that its
+    column holds (past it the write fails: a 500, not a message)."""
     raw = raw.strip()
     if not raw:
         return None
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()):  # "²" is a digit to isdigit(), not to int()
         raise ValueError(f"limits and budgets are whole numbers, not {raw!r}")
+    if int(raw) > top:
+        raise ValueError(f"limits and budgets are at most {top}, not {raw}")
     return int(raw)

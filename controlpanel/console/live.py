@@ -58,7 +58,8 @@ def nudge_on_commit(sender: Any, **kwargs: Any) -> None:
 class LivePublisher:
     def __init__(self, interval: float = PUBLISH_INTERVAL) -> None:
         self.interval = interval
-        self.subscribers = 0
+        self._subscribers = 0
+        self._watched = asyncio.Event()  # set while a dashboard is open here
         self._sent_keys: dict[int, tuple[Any, ...]] = {}
         self._sent_totals = ""
         self._sent_problems = ""
@@ -67,9 +68,25 @@ class LivePublisher:
         self._nudged = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
+    @property
+    def subscribers(self) -> int:
+        """Open dashboards on this process (the consumer counts them in and out)."""
+        return self._subscribers
+
+    @subscribers.setter
+    def subscribers(self, count: int) -> None:
+        self._subscribers = count
+        if count > 0:
+            self._watched.set()
+        else:
+            self._watched.clear()
+
     async def start(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="live")
         self._nudged = asyncio.Event()
+        self._watched = asyncio.Event()
+        if self._subscribers > 0:
+            self._watched.set()
         self._tasks = [
             asyncio.create_task(self._loop(), name="live-publisher"),
             asyncio.create_task(self._listen_for_nudges(), name="live-nudges"),
@@ -119,11 +136,16 @@ class LivePublisher:
 
     async def _loop(self) -> None:
         layer = get_channel_layer()
+        if layer is None:
+            return
         while True:
+            # With no dashboard open there is nothing to publish: no tick until one opens
+            # (it gets the whole page on connecting; changes then come at this pace).
+            await self._watched.wait()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._nudged.wait(), timeout=self.interval)
             self._nudged.clear()
-            if not self.subscribers or layer is None:
+            if not self.subscribers:
                 continue
             try:
                 text = await asyncio.get_running_loop().run_in_executor(

@@ -1,5 +1,5 @@
 """The operator's view of routing decisions and pool preflight: each model's recent
-decisions (routing.explain) and how its workers differ (controlpanel.fleet.preflight)."""
+decisions (routing.telemetry.explain) and how its workers differ (controlpanel.fleet.preflight)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from controlpanel.fleet import preflight, served_models
 from controlpanel.registry import errors
 from controlpanel.registry.accounts import request_actor
 from controlpanel.registry.models import ServedModel, Worker
-from routing import explain
+from routing.telemetry import explain
 
 
 def recent_decisions() -> dict[str, list[dict[str, Any]]]:

@@ -12,7 +12,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from controlpanel.console.dashboard import ModelTotals, Row, model_totals
-from controlpanel.registry.models import RolloutPlan, RolloutState
+from controlpanel.registry.choices import RolloutState
+from controlpanel.registry.models import RolloutPlan
 
 ROLLBACK_NOTICE = timedelta(hours=6)
 

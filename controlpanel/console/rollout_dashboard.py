@@ -10,15 +10,9 @@ from typing import Any
 from django.template.loader import render_to_string
 from django.utils import timezone
 
-from controlpanel.registry.models import (
-    ACTIVE_ROLLOUT_STATES,
-    Alias,
-    Event,
-    EventKind,
-    RolloutPlan,
-    RolloutState,
-)
-from controlpanel.rollouts import plans, transitions
+from controlpanel.registry.choices import EventKind, RolloutState
+from controlpanel.registry.models import ACTIVE_ROLLOUT_STATES, Alias, Event, RolloutPlan
+from controlpanel.rollouts import aliases, plans, transitions
 
 RECENT = timedelta(hours=24)
 BAR_SCALE = 2.0  # a bar's full width is twice its gate, so the gate mark sits in the middle
@@ -188,9 +182,11 @@ def alias_rows() -> list[dict[str, Any]]:
                         "weight": weight,
                         "healthy": len(plans.healthy_workers(name)),
                     }
-                    for name, weight in alias.targets.items()
+                    for name, weight in aliases.targets_in_order(alias.targets)
                 ],
-                "weights_text": ", ".join(f"{n}={w}" for n, w in alias.targets.items()),
+                "weights_text": ", ".join(
+                    f"{n}={w}" for n, w in aliases.targets_in_order(alias.targets)
+                ),
                 "active": active,
             }
         )

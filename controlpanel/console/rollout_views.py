@@ -20,6 +20,7 @@ from controlpanel.registry.errors import ServiceError
 from controlpanel.registry.models import Alias
 from controlpanel.rollouts import aliases, plans, transitions
 
+MAX_MIN_REQUESTS = 2**31 - 1  # RolloutPlan.min_requests is an integer
 DEFAULT_STEPS_TEXT = "5 10min\n25 10min\n50 10min\n100 0"
 _UNITS = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
 _STEP_LINE = re.compile(r"^\s*(\d+)\s*%?\s+(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
@@ -67,7 +68,7 @@ def rollout_create(request: HttpRequest) -> HttpResponse:
                 start_at=_start_at(form.get("start_at", "")),
                 max_error_rate=float(form.get("max_error_rate") or 2) / 100,
                 max_ttft_p95_ratio=float(form.get("max_ttft_p95_ratio") or 1.5),
-                min_requests=int(form.get("min_requests") or 50),
+                min_requests=_min_requests(form.get("min_requests", "")),
                 drain_old=form.get("drain_old") == "1",
             ),
             actor=request_actor(request),
@@ -94,6 +95,14 @@ def parse_steps(text: str) -> list[dict[str, float]]:
         weight, hold, unit = match.groups()
         steps.append({"weight": int(weight), "hold_seconds": float(hold) * _UNITS[unit]})
     return steps
+
+
+def _min_requests(text: str) -> int:
+    """The gate's request count, within its integer column (past it the write is a 500)."""
+    count = int(text.strip() or 50)
+    if count > MAX_MIN_REQUESTS:
+        raise ValueError(f"min_requests is at most {MAX_MIN_REQUESTS}")
+    return count
 
 
 def _start_at(text: str) -> datetime | None:

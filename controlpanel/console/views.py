@@ -26,7 +26,8 @@ from controlpanel.console import (
 from controlpanel.fleet import served_models, services
 from controlpanel.registry import errors
 from controlpanel.registry.accounts import request_actor
-from controlpanel.registry.models import Alias, Event, ServedModel, Worker, WorkerState
+from controlpanel.registry.choices import WorkerRole, WorkerState
+from controlpanel.registry.models import Alias, Event, ServedModel, Worker
 from controlpanel.routers.reports import model_classes, worker_kv_streams
 from routing.policies import POLICIES
 
@@ -40,6 +41,7 @@ def fleet(request: HttpRequest) -> HttpResponse:
         "problems": problems.fleet_problems(rows),
         "model_names": sorted({e["id"] for row in rows for e in row.worker.models}),
         "states": WorkerState.values,
+        "roles": WorkerRole.values,
         "router_url": request.build_absolute_uri("/v1"),
         "form": request.session.pop("add_worker_form", {}),
     }
@@ -95,6 +97,11 @@ def models_page(request: HttpRequest) -> HttpResponse:
         card["inflight"] = sum(r.inflight for r in card["rows"])
         rates = [r.metrics.get("rps") for r in card["rows"] if r.metrics.get("rps") is not None]
         card["rps"] = sum(rates) if rates else None
+        card["roles"] = dashboard.role_counts([r.worker for r in card["rows"]])
+        # Disaggregated (routing.pd): its short prompts skip the prefill leg.
+        split = any(r.worker.role == WorkerRole.PREFILL for r in card["rows"])
+        model = served.get(card["name"])
+        card["pd_bypass_tokens"] = (model.pd_bypass_tokens if model else 256) if split else None
     differences = pool_views.pool_differences([r.worker for r in rows])
     decisions = pool_views.recent_decisions()
     classes = model_classes()
@@ -182,21 +189,24 @@ def worker_add(request: HttpRequest) -> HttpResponse:
     url, name = request.POST.get("url", ""), request.POST.get("name", "").strip()
     dcgm_url, api_key = request.POST.get("dcgm_url", ""), request.POST.get("api_key", "")
     kv_events = request.POST.get("kv_events", "").strip()
+    role = request.POST.get("role", WorkerRole.BOTH)
     try:
         worker = services.worker_add(
-            url=url, name=name, dcgm_url=dcgm_url, api_key=api_key,
+            url=url, name=name, dcgm_url=dcgm_url, api_key=api_key, role=role,
             # left blank: read from the worker (vLLM's /kv_event_sources), as the API does
             kv_events=kv_events or None, actor=request_actor(request),
         )  # fmt: skip
     except errors.ServiceError as exc:
         messages.error(request, f"Could not add {url}: {exc}")
         # What was typed comes back in the form (the key never: it is a secret).
-        typed = {"url": url, "name": name, "dcgm_url": dcgm_url, "kv_events": kv_events}
+        typed = {"url": url, "name": name, "dcgm_url": dcgm_url, "kv_events": kv_events,
+                 "role": role}  # fmt: skip
         request.session["add_worker_form"] = typed
     else:
         found = ", ".join(worker.model_ids)
         kv = f" KV events: {worker.kv_events}." if worker.kv_events else ""
-        messages.success(request, f"Added {worker.name}, serving {found}.{kv}")
+        role_note = f" Role: {worker.role}." if worker.role != WorkerRole.BOTH else ""
+        messages.success(request, f"Added {worker.name}, serving {found}.{role_note}{kv}")
     return redirect("fleet")
 
 
@@ -291,7 +301,9 @@ def workers_bulk(request: HttpRequest) -> HttpResponse:
     """Drain or activate the selected workers. A bulk drain never takes a model's last
     routable worker: that one is refused with its reason, to be drained from its own row."""
     action = request.POST.get("action", "")
-    ids = [int(v) for v in request.POST.getlist("worker") if v.isdigit()]
+    # ASCII digits that fit a key: "²" passes isdigit() but not int(), 30 digits no column.
+    ids = [int(v) for v in request.POST.getlist("worker") if v.isascii() and v.isdigit()
+           and len(v) < 19]  # fmt: skip
     if action not in ("drain", "activate") or not ids:
         messages.error(request, "Select at least one worker, then Drain or Activate.")
         return redirect("fleet")

@@ -9,7 +9,10 @@ there is NVML to read; without it the agent logs "no GPU" once and sends no GPU 
 `dcgm_url` given at start is registered as the worker's DCGM exporter for the probes, and
 `kv_events` (with `kv_events_replay`) as the server's KV cache events endpoints, which every
 router subscribes to. Without `kv_events` the controller reads them from the server (vLLM's
-GET /kv_event_sources) when it first registers; "" registers none.
+GET /kv_event_sources) when it first registers; "" registers none. A `role` given
+("prefill", "decode" or "both") is the server's part in prefill/decode disaggregation
+(routing.pd), sent at every registration; without one the worker keeps the role it has
+("both" when new).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class Agent:
         vllm_api_key: str = "",
         kv_events: str | None = None,
         kv_events_replay: str = "",
+        role: str | None = None,
     ) -> None:
         self.controller = controller.rstrip("/")
         self.worker_url = worker_url.rstrip("/")
@@ -64,6 +68,7 @@ class Agent:
         self.dcgm_url = dcgm_url
         self.vllm_api_key = vllm_api_key  # the server's --api-key, for the router to send
         self.kv_events, self.kv_events_replay = kv_events, kv_events_replay
+        self.role = role  # None: the controller keeps the role the worker has
         self.nvml = nvml or NvmlReader()
         self.interval = interval
         self.worker_id: int | None = None
@@ -91,6 +96,8 @@ class Agent:
 
     def register(self) -> None:
         payload = {"url": self.worker_url, "name": self.name}
+        if self.role is not None:
+            payload["role"] = self.role
         if self.dcgm_url:
             payload["dcgm_url"] = self.dcgm_url
         if self.vllm_api_key:

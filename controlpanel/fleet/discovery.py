@@ -7,12 +7,11 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-import httpx
 from django.conf import settings
 
 from controlpanel.fleet.errors import NotAVllmServer, RequestLoop, WorkerUnreachable
 from controlpanel.fleet.kv_endpoints import KvSources, kv_endpoints, kv_sources_from
-from controlpanel.fleet.probes import worker_auth
+from controlpanel.fleet.probes import tls_context, worker_auth
 from controlpanel.registry.models import RoutingGeneration, ServedModel
 from routing.listings import DEPLOYMENT_HEADER
 
@@ -23,12 +22,15 @@ MAX_MODEL_NAME = ServedModel._meta.get_field("name").max_length or 300
 
 def discover_models(*, url: str, api_key: str = "") -> list[dict[str, Any]]:
     """Ask a server's /v1/models what it serves, refusing anything that is not vLLM-like."""
+    import httpx  # here: the router process imports this module, and rarely discovers
+
     endpoint = f"{url}/v1/models"
     try:
         response = httpx.get(
             endpoint,
             headers=worker_auth(api_key),
             timeout=settings.CONTROLPANEL_DISCOVERY_TIMEOUT,
+            verify=tls_context(),
         )
     except httpx.HTTPError as exc:
         raise WorkerUnreachable(f"cannot reach {endpoint}: {exc}") from exc
@@ -49,10 +51,15 @@ def discover_kv_events(*, url: str, api_key: str = "") -> KvSources:
     Never fails: an older vLLM (404) or an answer that is not JSON gives no endpoints
     quietly, a server that cannot be reached now gives none with a note, and the worker is
     added without them as before."""
+    import httpx  # as in discover_models
+
     endpoint = f"{url}/kv_event_sources"
     try:
         response = httpx.get(
-            endpoint, headers=worker_auth(api_key), timeout=settings.CONTROLPANEL_DISCOVERY_TIMEOUT
+            endpoint,
+            headers=worker_auth(api_key),
+            timeout=settings.CONTROLPANEL_DISCOVERY_TIMEOUT,
+            verify=tls_context(),
         )
     except httpx.HTTPError as exc:
         log.info("cannot read %s: %s", endpoint, exc)

@@ -9,6 +9,7 @@ __all__ = [
     "InvalidTransition",
     "InvalidWeight",
     "InvalidWorkerKey",
+    "InvalidWorkerRole",
     "InvalidWorkerURL",
     "LastRoutableWorker",
     "NotAVllmServer",
@@ -24,6 +25,10 @@ class InvalidWorkerURL(ServiceError):
 
 
 class InvalidWorkerKey(ServiceError):
+    status = 422
+
+
+class InvalidWorkerRole(ServiceError):
     status = 422
 
 

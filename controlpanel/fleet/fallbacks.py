@@ -1,10 +1,10 @@
 """A served model's fallbacks, and the check a model's and an alias's both go through.
 
 The names a model's requests move on to when it has no routable worker or failed before its
-first byte (routing.fallbacks has the rules and the order). A list is refused, changing
+first byte (routing.fleet.fallbacks has the rules and the order). A list is refused, changing
 nothing, when the router could not honour it: a name no request can be routed by (neither a
 served model, a worker's model nor an alias), the name itself, a duplicate, more than
-routing.fallbacks.MAX_FALLBACKS, or a loop through the other names' fallbacks, a model's or
+routing.fleet.fallbacks.MAX_FALLBACKS, or a loop through the other names' fallbacks, a model's or
 an alias's (controlpanel.rollouts.aliases calls `fallbacks_checked` too).
 """
 
@@ -14,13 +14,14 @@ from typing import Any
 
 from controlpanel.fleet.errors import InvalidModelSetting
 from controlpanel.fleet.served_models import served_model_change
-from controlpanel.registry.models import Alias, EventKind, ServedModel, Worker
-from routing import fallbacks as routing_fallbacks
+from controlpanel.registry.choices import EventKind
+from controlpanel.registry.models import Alias, ServedModel, Worker
+from routing.fleet import fallbacks as routing_fallbacks
 
 
 def served_model_set_fallbacks(*, name: str, fallbacks: Any, actor: str) -> ServedModel:
     """The ordered model or alias names this model's requests move on to when it has no
-    routable worker or failed before its first byte (routing.fallbacks); [] for none."""
+    routable worker or failed before its first byte (routing.fleet.fallbacks); [] for none."""
     return served_model_change(
         name=name,
         values=lambda: {"fallbacks": fallbacks_checked(name=name, fallbacks=fallbacks)},

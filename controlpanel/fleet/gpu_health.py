@@ -25,7 +25,8 @@ from typing import Any
 from django.conf import settings
 
 from controlpanel.fleet.gpu import GpuReading
-from controlpanel.registry.models import EventKind, Worker
+from controlpanel.registry.choices import EventKind
+from controlpanel.registry.models import Worker
 
 NVML = "nvml"
 DCGM = "dcgm"

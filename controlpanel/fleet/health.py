@@ -33,14 +33,9 @@ from django.utils import timezone
 from controlpanel.fleet import discovery, gpu, gpu_health, preflight, probes
 from controlpanel.fleet.discovery import parse_model_list
 from controlpanel.fleet.served_models import served_models_ensure
+from controlpanel.registry.choices import EventKind, WorkerState
 from controlpanel.registry.events import event_record
-from controlpanel.registry.models import (
-    EventKind,
-    RoutingGeneration,
-    Worker,
-    WorkerSample,
-    WorkerState,
-)
+from controlpanel.registry.models import RoutingGeneration, Worker, WorkerSample
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +68,13 @@ def workers_probe() -> int:
     try:
         results = probes.probe_many(probe_targets(), timeout=settings.CONTROLPANEL_PROBE_TIMEOUT)
         # The event loop is gone by now: the ORM runs here, in plain synchronous code.
-        applied = sum(_apply_logged(result) for result in results)
+        outcomes = [_apply_logged(result) for result in results]
         samples_prune()
         _preflight_logged()
-        if applied:
+        if any(outcomes):  # a round that changed nothing routers read costs them nothing
             with transaction.atomic():
                 RoutingGeneration.bump()
-        return applied
+        return sum(outcome is not None for outcome in outcomes)
     finally:
         cache.delete(ROUND_LOCK_KEY)
 
@@ -93,13 +88,13 @@ def _preflight_logged() -> None:
         log.exception("pool preflight failed; the next round tries again")
 
 
-def _apply_logged(result: probes.ProbeResult) -> bool:
+def _apply_logged(result: probes.ProbeResult) -> bool | None:
     # One worker's database trouble must not cost every other worker its result.
     try:
-        return probe_result_apply(result=result)
+        return _apply(result)
     except DatabaseError:
         log.exception("could not apply the probe result of worker %s", result.worker_id)
-        return False
+        return None
 
 
 def probe_targets() -> list[probes.ProbeTarget]:
@@ -122,12 +117,27 @@ def _models_due(scrape_state: Any, every: int) -> bool:
     return not isinstance(since, int) or since + 1 >= every
 
 
+# What a probe writes that no router's snapshot reads: the probe's own bookkeeping and the
+# times of its readings (routers take the queue and its time from the load reports, every
+# second). A round that changes only these leaves the routing generation where it was, so an
+# idle fleet does not make every router rebuild its snapshot at every probe.
+UNSEEN_BY_ROUTERS = frozenset(
+    {"last_probe_at", "queue_length_at", "scrape_state", "consecutive_successes",
+     "consecutive_failures", "last_error"}
+)  # fmt: skip
+
+
 def probe_result_apply(*, result: probes.ProbeResult) -> bool:
     """Apply one probe's result; False when the worker is gone or its state moved under us."""
+    return _apply(result) is not None
+
+
+def _apply(result: probes.ProbeResult) -> bool | None:
+    """None when not applied; else whether it changed anything routers read."""
     with transaction.atomic():
         worker = Worker.objects.select_for_update().filter(pk=result.worker_id).first()
         if worker is None:
-            return False  # removed while the probe ran
+            return None  # removed while the probe ran
         previous = worker.scrape_state if isinstance(worker.scrape_state, dict) else {}
         reading = probes.read_metrics(result.metrics_text, previous=previous, at=result.at)
         update = _Update()
@@ -137,10 +147,22 @@ def probe_result_apply(*, result: probes.ProbeResult) -> bool:
         since = _track_models(update, worker, result, previous.get("probes_since_models"))
         update.fields["scrape_state"] = {**reading.counters, "probes_since_models": since}
         _track_gpus(update, worker, result)
+        seen = _routers_see(worker, update)
         if not _write(worker, update, actor=PROBE_ACTOR):
-            return False
+            return None
         _sample(worker, result, reading.metrics, gpus=_sampled_gpus(worker, update))
-    return True
+    return seen
+
+
+def _routers_see(worker: Worker, update: _Update) -> bool:
+    """Whether the update changes a field a router's snapshot is built from."""
+    if update.events or update.served_models is not None:
+        return True
+    return any(
+        getattr(worker, name) != value
+        for name, value in update.fields.items()
+        if name not in UNSEEN_BY_ROUTERS
+    )
 
 
 def _count_probe(update: _Update, worker: Worker, *, up: bool, error: str) -> None:

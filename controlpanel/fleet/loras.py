@@ -13,11 +13,12 @@ from django.conf import settings
 from django.db import transaction
 
 from controlpanel.fleet.discovery import discover_models, model_keys
-from controlpanel.fleet.probes import worker_auth
+from controlpanel.fleet.probes import tls_context, worker_auth
 from controlpanel.fleet.served_models import served_models_ensure
+from controlpanel.registry.choices import EventKind
 from controlpanel.registry.errors import ServiceError
 from controlpanel.registry.events import event_record
-from controlpanel.registry.models import EventKind, RoutingGeneration, Worker
+from controlpanel.registry.models import RoutingGeneration, Worker
 
 
 class LoraRefused(ServiceError):
@@ -50,6 +51,7 @@ def _call(worker: Worker, endpoint: str, body: dict[str, str]) -> None:
             json=body,
             headers=worker_auth(worker.api_key),
             timeout=settings.CONTROLPANEL_DISCOVERY_TIMEOUT,
+            verify=tls_context(),
         )
     except httpx.HTTPError as exc:
         raise LoraUnreachable(f"cannot reach {url}: {exc}") from exc

@@ -20,7 +20,7 @@ mismatch; a pool of one has nothing to differ from.
 A mismatch is shown on the worker and models pages ("block_size 16 vs pool 32"), in
 ``GET /api/workers/{id}``, and in the event log when it appears, changes or ends. A model
 set to ``preflight: "refuse"`` (``PATCH /api/models/{name}``, the models page) also keeps the
-mismatched worker out of that model's rotation (routing.snapshot: ``refused_models``) until it
+mismatched worker out of that model's rotation (routing.fleet.snapshot: ``refused_models``) until it
 matches again, or an operator accepts exactly those differences
 (``POST /api/workers/{id}/preflight/accept``, the worker page). "warn" (the default) only shows.
 """
@@ -32,16 +32,16 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-import httpx
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from controlpanel.fleet.discovery import model_keys
-from controlpanel.fleet.probes import worker_auth
+from controlpanel.fleet.probes import tls_context, worker_auth
+from controlpanel.registry.choices import EventKind
 from controlpanel.registry.events import event_record
-from controlpanel.registry.models import EventKind, RoutingGeneration, ServedModel, Worker
-from routing.vllm_metrics import SERIES_KEY
+from controlpanel.registry.models import RoutingGeneration, ServedModel, Worker
+from routing.telemetry.vllm_metrics import SERIES_KEY
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,14 @@ def cache_labels(metrics: dict[str, Any]) -> dict[str, str]:
 
 def version_read(worker: Worker) -> str | None:
     """GET /version, or None when the server does not say (never a guess)."""
+    import httpx  # here: the router process imports this module, and rarely reads /version
+
     try:
         response = httpx.get(
             f"{worker.url}/version",
             headers=worker_auth(worker.api_key),
             timeout=settings.CONTROLPANEL_PROBE_TIMEOUT,
+            verify=tls_context(),
         )
         value = response.json().get("version") if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError, AttributeError):

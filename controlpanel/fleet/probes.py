@@ -29,13 +29,16 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from routing.vllm_metrics import SERIES_KEY, KeptSeries, kept_series
+from routing.telemetry import prom_text
+from routing.telemetry.vllm_metrics import SERIES_KEY, KeptSeries, kept_series, vllm_text
+
+if TYPE_CHECKING:
+    import httpx
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -58,7 +61,8 @@ METRIC_KEYS = (
     "ttft_p50",
     "ttft_p95",
     "rps",
-    SERIES_KEY,  # vLLM's own series as scraped, re-exported by the router (routing.vllm_metrics)
+    # vLLM's own series as scraped, re-exported by the router (routing.telemetry.vllm_metrics)
+    SERIES_KEY,
 )
 # Raw readings kept in Worker.scrape_state for the next probe's deltas.
 COUNTER_KEYS = ("at", "prefix_queries", "prefix_hits", "requests", "ttft_buckets")
@@ -113,10 +117,16 @@ def collect_samples(families: Iterable[Metric]) -> Samples:
 
 def parse_scrape(text: str) -> Scrape | None:
     """None when the text is not Prometheus at all (an HTML error page, a cut-off body)."""
-    try:  # parsed once: the readings below and the kept vLLM series share the families
-        families = list(text_string_to_metric_families(text))
-    except ValueError:
-        return None
+    # A server with no `vllm:` line at all is parsed whole, so what is not Prometheus still
+    # reads as None rather than as an empty scrape.
+    wanted = vllm_text(text) or text
+    # Parsed once: the readings below and the kept vLLM series share the families.
+    families = prom_text.parse(wanted)
+    if families is None:  # a shape the fast reader leaves to prometheus_client
+        try:
+            families = list(text_string_to_metric_families(wanted))
+        except ValueError:
+            return None
     samples = collect_samples(families)
     queries, hits = _prefix_counters(samples)
     return Scrape(
@@ -331,6 +341,8 @@ def probe_many(targets: list[ProbeTarget], *, timeout: float) -> list[ProbeResul
 
 
 async def _probe_all(targets: list[ProbeTarget], *, timeout: float) -> list[ProbeResult]:
+    import httpx  # here: the router process imports this module, and never probes
+
     concurrency = min(len(targets), MAX_CONCURRENT_WORKERS)
     limits = httpx.Limits(
         max_connections=concurrency * REQUESTS_PER_WORKER,
@@ -341,7 +353,7 @@ async def _probe_all(targets: list[ProbeTarget], *, timeout: float) -> list[Prob
         timeout=httpx.Timeout(timeout),
         limits=limits,
         follow_redirects=False,
-        verify=_tls_context(),
+        verify=tls_context(),
     ) as client:
         return list(
             await asyncio.gather(*(_probe_in_slot(client, t, slots, timeout) for t in targets))
@@ -349,8 +361,13 @@ async def _probe_all(targets: list[ProbeTarget], *, timeout: float) -> list[Prob
 
 
 @cache
-def _tls_context() -> ssl.SSLContext:
-    # Loading the CA bundle takes a tenth of a second: once per process, not per round.
+def tls_context() -> ssl.SSLContext:
+    """The process's one TLS context for calls to workers (probes, discovery, /version,
+    LoRA loads). Loading the CA bundle takes a tenth of a second and a few MiB of OpenSSL's
+    memory: once per process, not per call (a fresh one per registration left the router's
+    heap a few MiB larger each time, freed but fragmented)."""
+    import httpx
+
     return httpx.create_ssl_context()
 
 
@@ -404,6 +421,8 @@ async def _get(
 ) -> _Answer:
     # httpx's timeouts bound each phase; this bounds the whole request, so a server that
     # trickles its answer byte by byte still cannot hold the round.
+    import httpx  # loaded by _probe_all already: a lookup
+
     try:
         async with asyncio.timeout(timeout):
             response = await client.get(url, headers=headers)
@@ -417,6 +436,8 @@ async def _get(
 def describe_error(exc: Exception) -> str:
     """A short cause for an event message; httpx's own texts are sometimes empty or, for
     a refused connection, only "All connection attempts failed"."""
+    import httpx  # loaded already: exc came from it
+
     text = str(exc).strip()
     if isinstance(exc, httpx.ConnectError):
         if _caused_by(exc, ConnectionRefusedError) or "refused" in text.lower():

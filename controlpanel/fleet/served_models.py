@@ -1,4 +1,5 @@
-"""Served models and how each is balanced: its policy and its in-flight limit."""
+"""Served models and how each is balanced: its policy, its in-flight limit, and when a
+disaggregated model's short prompts skip the prefill leg."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from typing import Any
 from django.db import transaction
 
 from controlpanel.fleet.errors import InvalidModelSetting, InvalidPolicy, InvalidTokenizer
+from controlpanel.registry.choices import EventKind
 from controlpanel.registry.events import event_record
-from controlpanel.registry.models import EventKind, RoutingGeneration, ServedModel
+from controlpanel.registry.models import RoutingGeneration, ServedModel
 from routing.policies import UnknownPolicy, policy_class
-from routing.tokenize import LocalTokenizer
+from routing.prompt.tokenize import LocalTokenizer
+
+# The column's bound (PostgreSQL's integer): past it the write would fail, not be refused.
+MAX_PD_BYPASS_TOKENS = 2**31 - 1
 
 
 def served_models_ensure(entries: list[dict[str, Any]]) -> None:
@@ -126,7 +131,7 @@ def served_model_set_tokenizer(*, name: str, tokenizer: str, actor: str) -> Serv
 
 def served_model_set_limit(*, name: str, max_inflight: int, actor: str) -> ServedModel:
     """Cap the requests in flight for one model per router (0: no cap); beyond it requests
-    wait in a bounded queue, then get 429 (routing.admission)."""
+    wait in a bounded queue, then get 429 (routing.admission.admission)."""
     limit = f"at most {max_inflight} in flight per router" if max_inflight else "no limit"
     return served_model_change(
         name=name,
@@ -139,7 +144,7 @@ def served_model_set_limit(*, name: str, max_inflight: int, actor: str) -> Serve
 
 def served_model_set_reserve(*, name: str, priority_reserve: float, actor: str) -> ServedModel:
     """The share of the model's admission slots that `sheddable` requests may never hold
-    (routing.priority): kept for `critical` and `standard` under an in-flight limit."""
+    (routing.fleet.priority): kept for `critical` and `standard` under an in-flight limit."""
     reserve_checked(priority_reserve)
     return served_model_change(
         name=name,
@@ -148,6 +153,26 @@ def served_model_set_reserve(*, name: str, priority_reserve: float, actor: str) 
         actor=actor,
         describe=lambda before, _: (
             f"{name}: priority_reserve {before['priority_reserve']!r} → {priority_reserve!r}"
+        ),
+        flat=False,
+    )
+
+
+def served_model_set_pd_bypass(*, name: str, pd_bypass_tokens: int, actor: str) -> ServedModel:
+    """For a disaggregated model (it has prefill workers, routing.pd): a request whose
+    uncached prompt is shorter than `pd_bypass_tokens` tokens skips the prefill leg and goes
+    whole to a decode-capable worker; 0 sends every request through a prefill worker."""
+    if not 0 <= pd_bypass_tokens <= MAX_PD_BYPASS_TOKENS:
+        raise InvalidModelSetting(
+            f"pd_bypass_tokens must be at least 0 and at most {MAX_PD_BYPASS_TOKENS}"
+        )
+    return served_model_change(
+        name=name,
+        values=lambda: {"pd_bypass_tokens": pd_bypass_tokens},
+        kind=EventKind.MODEL_CHANGED,
+        actor=actor,
+        describe=lambda before, _: (
+            f"{name}: pd_bypass_tokens {before['pd_bypass_tokens']} → {pd_bypass_tokens}"
         ),
         flat=False,
     )

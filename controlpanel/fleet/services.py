@@ -30,15 +30,13 @@ from controlpanel.fleet.errors import (
 from controlpanel.fleet.kv_endpoints import kv_endpoints, kv_endpoints_given
 from controlpanel.fleet.selectors import worker_inflight, worker_sole_models
 from controlpanel.fleet.served_models import served_models_ensure
+from controlpanel.registry.choices import EventKind, WorkerRole, WorkerSource, WorkerState
 from controlpanel.registry.events import event_record, event_record_change, masked
 from controlpanel.registry.models import (
     ROUTER_LIVENESS,
-    EventKind,
     RouterInstance,
     RoutingGeneration,
     Worker,
-    WorkerSource,
-    WorkerState,
     normalize_worker_url,
 )
 
@@ -48,7 +46,8 @@ log = logging.getLogger(__name__)
 # What an operator (or an agent) sets on a worker, as the audit trail compares them; the
 # upstream key has its own event (_worker_key_event), never its value.
 WORKER_SETTINGS = (
-    "name", "url", "weight", "dcgm_url", "kv_events", "kv_events_replay", "gpu_count_max",
+    "name", "url", "weight", "role", "dcgm_url", "kv_events", "kv_events_replay",
+    "gpu_count_max",
 )  # fmt: skip
 
 
@@ -75,14 +74,17 @@ def worker_add(
     api_key: str = "",
     kv_events: str | None = None,
     kv_events_replay: str | None = None,
+    role: str = WorkerRole.BOTH,
     actor: str,
 ) -> Worker:
     """An operator adds a server by URL; its models are discovered, never typed in.
     `api_key` is the key the server requires (vLLM's --api-key), if any; `kv_events` and
     `kv_events_replay` its KV cache events endpoints, which every router subscribes to:
     None (not given) reads them from the server (vLLM's GET /kv_event_sources), "" keeps
-    them off, an endpoint given wins over what the server says."""
+    them off, an endpoint given wins over what the server says. `role`: its part in
+    prefill/decode disaggregation ("prefill", "decode" or "both", the default)."""
     normalized = _normalized(url)
+    role = worker_fields.role(role)
     dcgm_url = worker_fields.dcgm_url(dcgm_url)
     api_key = worker_fields.api_key(api_key)
     given = kv_endpoints_given(kv_events, kv_events_replay)  # checked before any call goes out
@@ -102,13 +104,14 @@ def worker_add(
             api_key=api_key,
             kv_events=kv_events,
             kv_events_replay=kv_events_replay,
+            role=role,
         )
         served_models_ensure(entries)
         event_record(
             kind=EventKind.WORKER_JOINED,
             worker=worker,
             message=f"added with models {', '.join(worker.model_ids)}"
-            f"{worker_fields.key_note(worker)}{kv_note}",
+            f"{worker_fields.role_note(worker)}{worker_fields.key_note(worker)}{kv_note}",
             actor=actor,
             data={"before": {},
                   "after": masked({**worker_settings(worker), "api_key": worker.api_key})},
@@ -127,14 +130,17 @@ def worker_register(
     api_key: str | None = None,
     kv_events: str | None = None,
     kv_events_replay: str | None = None,
+    role: str | None = None,
     actor: str = "agent",
 ) -> Worker:
     """Idempotent by URL: an agent calls it at start and again whenever the controller has
-    forgotten it, and each call leaves one up-to-date row. `dcgm_url`, `api_key` and
-    `kv_events` None leave the worker's DCGM exporter, key and KV events endpoints as they
-    were (an operator may have set them); a first registration without `kv_events` reads
-    them from the server, as worker_add does ("" keeps them off)."""
+    forgotten it, and each call leaves one up-to-date row. `dcgm_url`, `api_key`,
+    `kv_events` and `role` None leave the worker's DCGM exporter, key, KV events endpoints
+    and role as they were (an operator may have set them; a new row's role is "both"); a
+    first registration without `kv_events` reads them from the server, as worker_add does
+    ("" keeps them off)."""
     normalized = _normalized(url)
+    role = None if role is None else worker_fields.role(role)
     given = kv_endpoints_given(kv_events, kv_events_replay)
     exporter = None if dcgm_url is None else worker_fields.dcgm_url(dcgm_url)
     key = None if api_key is None else worker_fields.api_key(api_key)
@@ -166,6 +172,7 @@ def worker_register(
                 "api_key": key or "",
                 "kv_events": kv[0] if kv else "",
                 "kv_events_replay": kv[1] if kv else "",
+                "role": role or WorkerRole.BOTH,
             },
         )
         if created:
@@ -173,7 +180,7 @@ def worker_register(
                 kind=EventKind.WORKER_JOINED,
                 worker=worker,
                 message=f"registered with models {', '.join(worker.model_ids)}"
-                f"{worker_fields.key_note(worker)}{kv_note}",
+                f"{worker_fields.role_note(worker)}{worker_fields.key_note(worker)}{kv_note}",
                 actor=actor,
             )
         else:
@@ -185,6 +192,8 @@ def worker_register(
                 worker.api_key = key or ""  # saved with the rest by _reregister
             if kv is not None:
                 worker.kv_events, worker.kv_events_replay = kv
+            if role is not None:
+                worker.role = role  # saved with the rest by _reregister
             _reregister(worker, entries=entries, name=name, now=now, actor=actor)
             _settings_event(worker, before, actor)
         served_models_ensure(entries)
@@ -400,13 +409,15 @@ def worker_update(
     api_key: str | None = None,
     kv_events: str | None = None,
     kv_events_replay: str | None = None,
+    role: str | None = None,
 ) -> Worker:
     """`dcgm_url` "" removes the exporter; `reset_gpu_count` accepts the GPU count the
     worker reports now (after a GPU was removed on purpose), ending a "fewer GPUs" warning.
     `api_key` "" removes the worker's key, None leaves it; so do `kv_events` and
-    `kv_events_replay` for its KV cache events endpoints."""
+    `kv_events_replay` for its KV cache events endpoints. `role` None leaves it."""
     if weight is not None and weight < 0:
         raise InvalidWeight("weight cannot be negative")
+    role = None if role is None else worker_fields.role(role)
     exporter = None if dcgm_url is None else worker_fields.dcgm_url(dcgm_url)
     key = None if api_key is None else worker_fields.api_key(api_key)
     with transaction.atomic():
@@ -416,7 +427,9 @@ def worker_update(
             worker.name = name
         if weight is not None:
             worker.weight = weight
-        fields = ["name", "weight", "updated_at"]
+        if role is not None:
+            worker.role = role
+        fields = ["name", "weight", "role", "updated_at"]
         if exporter is not None and exporter != worker.dcgm_url:
             fields += worker_fields.dcgm_url_set(worker, exporter)
         if key is not None and key != worker.api_key:

@@ -33,15 +33,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from controlpanel.registry.choices import EventKind, WorkerState
 from controlpanel.registry.events import event_record
-from controlpanel.registry.models import (
-    ROUTER_LIVENESS,
-    EventKind,
-    RouterInstance,
-    RoutingGeneration,
-    Worker,
-    WorkerState,
-)
+from controlpanel.registry.models import ROUTER_LIVENESS, RouterInstance, RoutingGeneration, Worker
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A worker's upstream key and GPU telemetry fields, as the worker services set them:
+"""A worker's upstream key, GPU telemetry fields and role, as the worker services set them:
 checked, applied to the row, and recorded in the audit trail (never the key itself)."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ from datetime import datetime
 from typing import Any
 
 from controlpanel.fleet import gpu, gpu_health
-from controlpanel.fleet.errors import InvalidWorkerKey, InvalidWorkerURL
+from controlpanel.fleet.errors import InvalidWorkerKey, InvalidWorkerRole, InvalidWorkerURL
+from controlpanel.registry.choices import EventKind, WorkerRole
 from controlpanel.registry.events import event_record
-from controlpanel.registry.models import EventKind, Worker
+from controlpanel.registry.models import Worker
 
 
 def key_note(worker: Worker) -> str:
@@ -35,6 +36,18 @@ def api_key(key: str) -> str:
     if len(key) > 512 or not all("!" <= ch <= "~" for ch in key):
         raise InvalidWorkerKey("a worker API key is up to 512 printable ASCII characters")
     return key
+
+
+def role_note(worker: Worker) -> str:
+    return "" if worker.role == WorkerRole.BOTH else f" as a {worker.role} worker"
+
+
+def role(value: str) -> str:
+    """Its part in prefill/decode disaggregation (routing.pd): "prefill", "decode" or "both"."""
+    if value not in WorkerRole.values:
+        known = ", ".join(f'"{r}"' for r in WorkerRole.values)
+        raise InvalidWorkerRole(f"a worker's role is one of {known}, not {value!r}")
+    return str(WorkerRole(value).value)
 
 
 def dcgm_url(url: str) -> str:

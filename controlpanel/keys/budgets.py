@@ -1,7 +1,8 @@
 """Where each client key stands against its token budgets this UTC day and month: used,
 left and the reset (for GET /api/keys and the keys page).
 
-The used counts are the ones the routers enforce (routing.budgets): their counters in Redis
+The used counts are the ones the routers enforce (routing.admission.budgets): their counters in
+Redis
 when REDIS_URL is set. Without Redis, or when Redis cannot be read, they are summed from
 the usage rows the routers report (KeyUsage, one row per key, model and UTC day, written by
 each router about every two seconds): today's rows for the day, this month's for the month.
@@ -14,15 +15,17 @@ import logging
 from dataclasses import dataclass
 from datetime import date, datetime
 from functools import cache
+from typing import TYPE_CHECKING
 
-import redis
 from django.conf import settings
 from django.db.models import F, Q, Sum
 from django.utils import timezone
-from redis.exceptions import RedisError
 
 from controlpanel.registry.models import ApiKey, KeyUsage, RoutingGeneration
-from routing import budgets
+from routing.admission import budgets
+
+if TYPE_CHECKING:
+    import redis
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,10 @@ def _standing(limit: int | None, used: int, period: budgets.Period) -> BudgetSta
 
 @cache
 def _redis(url: str) -> redis.Redis:
+    # Imported here: only with REDIS_URL set is it used, and redis (with the cryptography and
+    # opentelemetry it loads) costs every process that imports this module ~9 MiB.
+    import redis
+
     # Short timeouts: a page or an API answer falls back to the usage rows, never hangs.
     return redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
 
@@ -76,12 +83,14 @@ def _redis(url: str) -> redis.Redis:
 def _budget_used_shared(
     records: list[ApiKey], periods: dict[str, budgets.Period]
 ) -> dict[tuple[int, str], int] | None:
-    """The routers' counters in Redis (routing.budgets), or None without Redis."""
+    """The routers' counters in Redis (routing.admission.budgets), or None without Redis."""
     namespace = RoutingGeneration.deployment_id()
     if not settings.REDIS_URL or not namespace or not records:
         return None
     slots = [(r, kind, period) for r in records for kind, period in periods.items()]
     names = [budgets.counter_name(namespace, r.prefix, p) for r, _, p in slots]
+    from redis.exceptions import RedisError  # loaded by _redis() anyway
+
     try:
         values = _redis(settings.REDIS_URL).mget(names)
     except (RedisError, OSError) as exc:

@@ -13,20 +13,21 @@ from django.db import transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 
+from controlpanel.registry.choices import EventKind
 from controlpanel.registry.errors import ServiceError
 from controlpanel.registry.events import event_record
 from controlpanel.registry.models import (
     Alias,
     ApiKey,
-    EventKind,
     KeyUsage,
     RoutingGeneration,
     ServedModel,
     Worker,
 )
-from routing.auth import PREFIX_LENGTH, ClientKey, new_key
-from routing.priority import PRIORITIES, STANDARD
-from routing.usage import UsageBatch
+from routing.admission.auth import PREFIX_LENGTH, new_key
+from routing.admission.usage import UsageBatch
+from routing.fleet.client_keys import ClientKey
+from routing.fleet.priority import PRIORITIES, STANDARD
 
 MAX_NAME = 200
 MAX_MODEL_NAME = 300

@@ -11,7 +11,8 @@ from typing import Any
 
 from django.db import transaction
 
-from controlpanel.registry.models import Event, EventKind, RoutingGeneration, Worker
+from controlpanel.registry.choices import EventKind
+from controlpanel.registry.models import Event, RoutingGeneration, Worker
 
 # One human line per event on the console, once it is committed (settings.LOGGING).
 log = logging.getLogger("controlpanel.events")

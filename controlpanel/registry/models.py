@@ -7,13 +7,20 @@ from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from django.db import models, transaction
+from django.db import connection, models, transaction
 from django.db.models import F, JSONField
 from django.utils import timezone
 
+from controlpanel.registry.choices import (
+    EventKind,
+    RolloutState,
+    WorkerRole,
+    WorkerSource,
+    WorkerState,
+)
 from controlpanel.registry.sealed import SealedCharField
 from controlpanel.registry.signals import announce_routing_committed
-from routing.priority import PRIORITIES
+from routing.fleet.priority import PRIORITIES
 
 
 def normalize_worker_url(url: str) -> str:
@@ -38,21 +45,6 @@ def new_deployment_id() -> str:
     return secrets.token_hex(16)
 
 
-class WorkerState(models.TextChoices):
-    ACTIVE = "active"
-    DRAINING = "draining"
-    DRAINED = "drained"
-    UNHEALTHY = "unhealthy"
-    OFFLINE = "offline"
-    # Answers its probes but fails too much real traffic (controlpanel.fleet.traffic_health).
-    DEGRADED = "degraded"
-
-
-class WorkerSource(models.TextChoices):
-    OPERATOR = "operator", "added by an operator"
-    AGENT = "agent", "registered by an agent"
-
-
 class Worker(models.Model):
     url = models.CharField(max_length=512, unique=True)
     name = models.CharField(max_length=200)
@@ -68,9 +60,10 @@ class Worker(models.Model):
     # Relative share for weighted policies (`random`); 0 takes a worker out of their draw.
     weight = models.FloatField(default=1.0)
     # vLLM's KV cache events publisher (`--kv-events-config`), e.g. "tcp://host:5557", and
-    # its optional replay endpoint: every router subscribes (routing.kv_events). "": none.
+    # its optional replay endpoint: every router subscribes (routing.kv.kv_events). "": none.
     kv_events = models.CharField(max_length=512, blank=True, default="")
     kv_events_replay = models.CharField(max_length=512, blank=True, default="")
+    role = models.CharField(max_length=8, choices=WorkerRole.choices, default=WorkerRole.BOTH)
     # The routing generation that announced the drain: a router that has not yet reported
     # from a snapshot at least this new may still pick the worker, so the drain waits for it.
     drain_generation = models.BigIntegerField(null=True, blank=True)
@@ -161,7 +154,8 @@ class ServedModel(models.Model):
     name = models.CharField(max_length=300, unique=True)
     policy = models.CharField(max_length=64, default="shortest_queue")
     policy_config = models.JSONField(default=dict, blank=True)
-    # Requests in flight for this model per router process (routing.admission); 0: no limit.
+    # Requests in flight for this model per router process (routing.admission.admission); 0: no
+    # limit.
     max_inflight = models.PositiveIntegerField(default=0)
     # A local folder with a Hugging Face tokenizer.json and tokenizer_config.json: kv_aware
     # tokenizes requests with it as vLLM would. "": ask a worker's POST /tokenize instead.
@@ -173,11 +167,14 @@ class ServedModel(models.Model):
         max_length=8, choices=[("warn", "warn"), ("refuse", "refuse")], default="warn"
     )
     # The share of the admission slots `sheddable` requests may never hold, kept for the
-    # higher classes (routing.priority); only matters under an in-flight limit.
+    # higher classes (routing.fleet.priority); only matters under an in-flight limit.
     priority_reserve = models.FloatField(default=0.2)
     # Ordered model or alias names a request moves on to when this model has no routable
-    # worker or failed before its first byte (routing.fallbacks).
+    # worker or failed before its first byte (routing.fleet.fallbacks).
     fallbacks = models.JSONField(default=list, blank=True)
+    # Disaggregated (it has prefill workers): a request whose uncached prompt is shorter
+    # than this many tokens skips the prefill leg and goes whole to a decode-capable worker.
+    pd_bypass_tokens = models.PositiveIntegerField(default=256)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -213,7 +210,14 @@ class RoutingGeneration(models.Model):
 
     @classmethod
     def current(cls) -> int:
-        return cls.objects.filter(pk=1).values_list("generation", flat=True).first() or 0
+        """The counter, by one plain query: every router runs this a few times a second
+        (CONTROLPANEL_SNAPSHOT_POLL), and the ORM's compiling of the same query cost some
+        twenty times the query itself, most of an idle router's CPU."""
+        table = connection.ops.quote_name(cls._meta.db_table)
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT generation FROM {table} WHERE id = 1")
+            row = cursor.fetchone()
+        return int(row[0]) if row and row[0] else 0
 
     @classmethod
     def deployment_id(cls) -> str:
@@ -242,18 +246,18 @@ class RouterInstance(models.Model):
     # Requests and failures per worker over the router's last minute: {id: [requests, errors]}.
     recent = models.JSONField(default=dict, blank=True)
     # Per model since the router started: {"requests", "errors", "ttft": [bucket counts]}
-    # (routing.metrics.RouterMetrics.model_totals), which rollout gates difference.
+    # (routing.telemetry.metrics.RouterMetrics.model_totals), which rollout gates difference.
     traffic = models.JSONField(default=dict, blank=True)
     # Per worker over the control plane's own windows (controlpanel.fleet.traffic_health):
     # {id: [requests, errors over CONTROLPANEL_DEGRADED_WINDOW, requests over the rate window]}
     window = models.JSONField(default=dict, blank=True)
-    # Each subscribed worker's KV events stream as this router sees it (routing.kv_subscriber):
+    # Each subscribed worker's KV events stream as this router sees it (routing.kv.kv_subscriber):
     # {id: {"connected", "events_per_s", "last_seq", "gaps", "trust", "blocks", ...}}.
     kv_events = models.JSONField(default=dict, blank=True)
-    # Per model under the in-flight limits (routing.admission.class_counts): {"queued",
+    # Per model under the in-flight limits (routing.admission.admission.class_counts): {"queued",
     # "admitted", "shed": [critical, standard, sheddable]}, counts since the router started.
     classes = models.JSONField(default=dict, blank=True)
-    # Requests moved on to a fallback since the router started (routing.fallbacks):
+    # Requests moved on to a fallback since the router started (routing.fleet.fallbacks):
     # [[from, to, reason, count], ...].
     fallbacks = models.JSONField(default=list, blank=True)
 
@@ -279,36 +283,6 @@ class WorkerSample(models.Model):
     class Meta:
         ordering = ["at"]
         indexes = [models.Index(fields=["worker", "at"])]
-
-
-class EventKind(models.TextChoices):
-    WORKER_JOINED = "worker_joined"
-    WORKER_LEFT = "worker_left"
-    WORKER_OFFLINE = "worker_offline"
-    WORKER_BACK = "worker_back"
-    DRAIN_STARTED = "drain_started"
-    DRAIN_FINISHED = "drain_finished"
-    WORKER_ACTIVATED = "worker_activated"
-    MODELS_CHANGED = "models_changed"
-    WORKER_UNHEALTHY = "worker_unhealthy"
-    WORKER_DEGRADED = "worker_degraded"  # too many of its real requests failed
-    WORKER_RECOVERED = "worker_recovered"
-    WORKER_SLEEPING = "worker_sleeping"
-    WORKER_AWAKE = "worker_awake"
-    POLICY_CHANGED = "policy_changed"
-    WORKER_EJECTED = "worker_ejected"  # by a router, after failures on real traffic
-    WORKER_READMITTED = "worker_readmitted"
-    ALIAS_CHANGED = "alias_changed"
-    ROLLOUT = "rollout"  # every transition of a rollout plan; data holds from/to states
-    GPU_WARNING = "gpu_warning"
-    GPU_CLEARED = "gpu_cleared"
-    API_KEY_CREATED = "api_key_created"
-    API_KEY_REVOKED = "api_key_revoked"
-    API_KEY_CHANGED = "api_key_changed"  # limits, class, weight or budgets; data: before/after
-    MODEL_CHANGED = "model_changed"  # a served model's settings (limit, reserve, fallbacks...)
-    WORKER_CHANGED = "worker_changed"  # a worker's settings (name, weight, endpoints...)
-    WORKER_KEY_CHANGED = "worker_key_changed"  # set, rotated or removed; never the key
-    PREFLIGHT = "preflight"  # a worker's differences from its pool appeared, changed or ended
 
 
 class Event(models.Model):
@@ -347,7 +321,7 @@ class Alias(models.Model):
     # {target model name: integer weight >= 0}; the router draws targets by weight.
     targets = models.JSONField(default=dict)
     description = models.CharField(max_length=500, blank=True)
-    # Ordered model or alias names to move on to, as a served model's (routing.fallbacks).
+    # Ordered model or alias names to move on to, as a served model's (routing.fleet.fallbacks).
     fallbacks = models.JSONField(default=list, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -357,16 +331,6 @@ class Alias(models.Model):
 
     def __str__(self) -> str:
         return self.name
-
-
-class RolloutState(models.TextChoices):
-    SCHEDULED = "scheduled"
-    RUNNING = "running"
-    PAUSED = "paused"
-    COMPLETED = "completed"
-    ROLLING_BACK = "rolling_back", "rolling back"
-    ROLLED_BACK = "rolled_back", "rolled back"
-    ABORTED = "aborted"
 
 
 ACTIVE_ROLLOUT_STATES = (RolloutState.RUNNING, RolloutState.PAUSED, RolloutState.ROLLING_BACK)
@@ -442,7 +406,7 @@ PRIORITY_CHOICES = [(name, name) for name in PRIORITIES]
 
 
 class ApiKey(models.Model):
-    """A client's key for the router (routing.auth). The key itself is shown once, at
+    """A client's key for the router (routing.admission.auth). The key itself is shown once, at
     creation; only its SHA-256 is kept, and `prefix`, its public start, names it to people."""
 
     name = models.CharField(max_length=200)
@@ -452,13 +416,16 @@ class ApiKey(models.Model):
     allowed_models = models.JSONField(default=list, blank=True)
     rpm = models.PositiveIntegerField(null=True, blank=True)  # requests per minute
     tpm = models.PositiveIntegerField(null=True, blank=True)  # tokens per minute
-    # May ask the router why a request went where it went (X-Route-Explain, routing.explain).
+    # May ask the router why a request went where it went (X-Route-Explain,
+    # routing.telemetry.explain).
     can_explain = models.BooleanField(default=False)
-    # Its requests' class under saturation (routing.priority): critical, standard, sheddable.
+    # Its requests' class under saturation (routing.fleet.priority): critical, standard,
+    # sheddable.
     priority = models.CharField(max_length=16, choices=PRIORITY_CHOICES, default="standard")
     # Its share of the admitted capacity against other keys of its class (fair share).
     weight = models.FloatField(default=1.0)
-    # Prompt + completion tokens per UTC day and per UTC month (routing.budgets); None: none.
+    # Prompt + completion tokens per UTC day and per UTC month (routing.admission.budgets); None:
+    # none.
     daily_tokens = models.PositiveBigIntegerField(null=True, blank=True)
     monthly_tokens = models.PositiveBigIntegerField(null=True, blank=True)
     created_by = models.CharField(max_length=200, blank=True)

@@ -17,12 +17,14 @@ from __future__ import annotations
 import base64
 import logging
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from django.conf import settings
 from django.db import models
 from django.utils.crypto import salted_hmac
+
+if TYPE_CHECKING:
+    from cryptography.fernet import Fernet, MultiFernet
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,10 @@ SALT = "controlpanel.sealed.worker-secret"
 
 @lru_cache(maxsize=4)
 def _box(secret: str, fallbacks: tuple[str, ...]) -> MultiFernet:
+    # Imported here, not at the top: cryptography costs a process ~9 MiB, and one that never
+    # meets a sealed secret (a router whose workers have no API key) should not pay it.
+    from cryptography.fernet import Fernet, MultiFernet
+
     def fernet(source: str) -> Fernet:
         digest = salted_hmac(SALT, "fernet", secret=source, algorithm="sha256").digest()
         return Fernet(base64.urlsafe_b64encode(digest))
@@ -52,6 +58,8 @@ def seal(value: str) -> str:
 def unseal(stored: str) -> str:
     if not stored.startswith(PREFIX):
         return stored  # saved before sealing existed, or empty
+    from cryptography.fernet import InvalidToken  # loaded by box() anyway (see _box)
+
     try:
         return box().decrypt(stored[len(PREFIX) :].encode("ascii")).decode()
     except (InvalidToken, UnicodeError, ValueError):

@@ -5,5 +5,5 @@ Lives here: aliases, plan creation and pre-flight checks, the transitions' state
 the gates, and the beat clock with its Celery task.
 
 May import: ``controlpanel.registry``, ``controlpanel.fleet`` (a finished plan may drain the
-old target's workers), ``routing.metrics`` (the gate's TTFT buckets) and Django.
+old target's workers), ``routing.telemetry.metrics`` (the gate's TTFT buckets) and Django.
 """

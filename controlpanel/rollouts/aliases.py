@@ -1,6 +1,6 @@
 """Aliases: public model names that stand for weighted targets.
 
-The router draws a target by weight (routing.aliases); a rollout plan moves the weights
+The router draws a target by weight (routing.fleet.aliases); a rollout plan moves the weights
 (controlpanel.rollouts.transitions), and nothing else may while one runs.
 """
 
@@ -13,12 +13,12 @@ from typing import Any
 from django.db import transaction
 
 from controlpanel.fleet.fallbacks import fallbacks_checked
+from controlpanel.registry.choices import EventKind, RolloutState
 from controlpanel.registry.errors import ServiceError
 from controlpanel.registry.events import event_record
 from controlpanel.registry.models import (
     ACTIVE_ROLLOUT_STATES,
     Alias,
-    EventKind,
     RolloutPlan,
     RoutingGeneration,
 )
@@ -108,7 +108,7 @@ def alias_update(
 
 
 def alias_set_fallbacks(alias: Alias, fallbacks: Any, actor: str) -> None:
-    """The ordered names the alias's requests move on to (routing.fallbacks), checked as a
+    """The ordered names the alias's requests move on to (routing.fleet.fallbacks), checked as a
     model's are; the caller holds the alias's row and bumps the routing generation."""
     clean = fallbacks_checked(name=alias.name, fallbacks=fallbacks)
     before = {"fallbacks": list(alias.fallbacks)}
@@ -122,7 +122,9 @@ def alias_delete(*, name: str, actor: str) -> None:
     with transaction.atomic():
         alias = alias_locked(name)
         _refuse_during_rollout(alias, "delete it")
-        RolloutPlan.objects.filter(alias=alias).exclude(state__in=ACTIVE_ROLLOUT_STATES).delete()
+        # Finished plans go with the alias; a scheduled one is the operator's to abort.
+        waiting = (*ACTIVE_ROLLOUT_STATES, RolloutState.SCHEDULED)
+        RolloutPlan.objects.filter(alias=alias).exclude(state__in=waiting).delete()
         if alias.rollouts.exists():
             raise AliasBusy(f"the alias `{name}` has a scheduled plan; abort it first")
         _alias_event(alias, "deleted", actor, before={"targets": alias.targets}, gone=True)
@@ -174,8 +176,13 @@ def _alias_event(
     )
 
 
+def targets_in_order(targets: Mapping[str, int]) -> list[tuple[str, int]]:
+    """Heaviest first, then by name: PostgreSQL's jsonb does not keep the keys' order."""
+    return sorted(targets.items(), key=lambda item: (-item[1], item[0]))
+
+
 def weights_text(targets: Mapping[str, int]) -> str:
-    return ", ".join(f"{name} {weight}" for name, weight in targets.items())
+    return ", ".join(f"{name} {weight}" for name, weight in targets_in_order(targets))
 
 
 def aliases_as_routes() -> dict[str, dict[str, int]]:

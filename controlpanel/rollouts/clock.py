@@ -9,8 +9,9 @@ from typing import Any
 
 from django.utils import timezone
 
+from controlpanel.registry.choices import RolloutState
 from controlpanel.registry.errors import InvalidTransition
-from controlpanel.registry.models import ROUTER_LIVENESS, RolloutPlan, RolloutState, RouterInstance
+from controlpanel.registry.models import ROUTER_LIVENESS, RolloutPlan, RouterInstance
 from controlpanel.rollouts import gates
 from controlpanel.rollouts.plans import healthy_workers, preflight
 from controlpanel.rollouts.transitions import (

@@ -1,7 +1,7 @@
 """Rollout gates: is the new target as good as the old one over the current step?
 
 The routers report, per served model, cumulative totals since they started (requests,
-5xx answers and fine time-to-first-token bucket counts; routing.metrics.model_totals). A
+5xx answers and fine time-to-first-token bucket counts; routing.telemetry.metrics.model_totals). A
 step's window is the difference between the totals now and each router's totals in its
 first report made while routing with the step's weights, so the figures are the routers'
 own measurements of the traffic that step carried, summed over every router replica.
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from routing.metrics import GATE_TTFT_BUCKETS
+from routing.telemetry.counters import GATE_TTFT_BUCKETS
 
 Totals = Mapping[str, Mapping[str, Mapping[str, Any]]]  # router instance -> model -> totals
 

@@ -12,15 +12,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from controlpanel.registry.choices import RolloutState, WorkerState
 from controlpanel.registry.errors import ServiceError
-from controlpanel.registry.models import (
-    ACTIVE_ROLLOUT_STATES,
-    Alias,
-    RolloutPlan,
-    RolloutState,
-    Worker,
-    WorkerState,
-)
+from controlpanel.registry.models import ACTIVE_ROLLOUT_STATES, Alias, RolloutPlan, Worker
 from controlpanel.rollouts.aliases import alias_locked
 from controlpanel.rollouts.transitions import plan_event, start
 

@@ -23,17 +23,15 @@ from django.db.models import F
 from django.utils import timezone
 
 from controlpanel.fleet.services import worker_drain
+from controlpanel.registry.choices import EventKind, RolloutState, WorkerState
 from controlpanel.registry.errors import InvalidTransition, ServiceError
 from controlpanel.registry.events import event_record
 from controlpanel.registry.models import (
     ROUTER_LIVENESS,
-    EventKind,
     RolloutPlan,
-    RolloutState,
     RouterInstance,
     RoutingGeneration,
     Worker,
-    WorkerState,
 )
 from controlpanel.rollouts.aliases import set_weights, weights_text
 

@@ -1,6 +1,6 @@
 """`GET /metrics/control-plane`: what only the registry knows, for Prometheus.
 
-The routers' `/metrics` is the data plane's (routing.metrics); this page adds the control
+The routers' `/metrics` is the data plane's (routing.telemetry.metrics); this page adds the control
 plane's state, read from the database at scrape time (a few aggregate queries, never on the
 /v1 path):
 
@@ -28,13 +28,9 @@ from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from controlpanel.registry.models import (
-    ACTIVE_ROLLOUT_STATES,
-    KeyUsage,
-    RolloutPlan,
-    RolloutState,
-)
-from routing.metrics import CONTENT_TYPE
+from controlpanel.registry.choices import RolloutState
+from controlpanel.registry.models import ACTIVE_ROLLOUT_STATES, KeyUsage, RolloutPlan
+from routing.telemetry.counters import CONTENT_TYPE
 
 
 class ControlPlaneCollector(Collector):

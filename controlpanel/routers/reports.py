@@ -9,10 +9,11 @@ from django.utils import timezone
 
 from controlpanel.fleet import health, traffic_health
 from controlpanel.fleet.services import workers_finish_drains
+from controlpanel.registry.choices import EventKind
 from controlpanel.registry.events import event_record
-from controlpanel.registry.models import ROUTER_LIVENESS, EventKind, RouterInstance, Worker
+from controlpanel.registry.models import ROUTER_LIVENESS, RouterInstance, Worker
+from routing.fleet.priority import PRIORITIES
 from routing.ports import RouterReport
-from routing.priority import PRIORITIES
 
 CLASS_COUNTS = ("queued", "admitted", "shed")
 
@@ -83,7 +84,7 @@ def worker_kv_streams(*, worker_id: int) -> list[dict[str, Any]]:
 
 def model_classes() -> dict[str, list[dict[str, Any]]]:
     """Per model, summed over the live routers: each priority class's requests waiting now,
-    admitted and shed since those routers started (routing.admission.class_counts)."""
+    admitted and shed since those routers started (routing.admission.admission.class_counts)."""
     totals: dict[str, dict[str, list[int]]] = {}
     for report in RouterInstance.live(ROUTER_LIVENESS).values_list("classes", flat=True):
         for model, counts in (report or {}).items():

@@ -19,11 +19,12 @@ from django.utils import timezone
 from controlpanel.fleet import gpu_health, preflight
 from controlpanel.fleet.probes import worker_auth
 from controlpanel.keys import services as keys
-from controlpanel.registry.models import RoutingGeneration, ServedModel, Worker, WorkerSource
+from controlpanel.registry.choices import WorkerSource
+from controlpanel.registry.models import RoutingGeneration, ServedModel, Worker
 from controlpanel.rollouts.aliases import aliases_as_routes, aliases_fallbacks
 from controlpanel.routers import reports
-from routing.ports import RouterReport
-from routing.snapshot import (
+from routing.admission.usage import UsageBatch
+from routing.fleet.snapshot import (
     GpuView,
     ModelEntry,
     ServedModelInfo,
@@ -31,7 +32,7 @@ from routing.snapshot import (
     WorkerView,
     build_snapshot,
 )
-from routing.usage import UsageBatch
+from routing.ports import RouterReport
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -67,6 +68,7 @@ def worker_view(
         kv_events=worker.kv_events,
         kv_events_replay=worker.kv_events_replay,
         kv_block_size=_block_size(worker, metrics),
+        role=worker.role,
     )
 
 
@@ -117,6 +119,7 @@ def routing_snapshot_build() -> Snapshot:
             tokenizer=m.tokenizer,
             priority_reserve=m.priority_reserve,
             fallbacks=tuple(m.fallbacks),
+            pd_bypass_tokens=m.pd_bypass_tokens,
         )
         for m in models
     ]

@@ -1,5 +1,5 @@
-// The fleet table's tools, all in the page: sort by a column, filter by model, state and
-// text, select rows for a bulk drain or activate. The live feed replaces rows in place and
+// The fleet table's tools, all in the page: sort by a column, filter by model, state, role
+// and text, select rows for a bulk drain or activate. The live feed replaces rows in place and
 // then fires "fleet:updated", after which the current sort and filters are applied again.
 (function () {
   "use strict";
@@ -8,6 +8,7 @@
   var tbody = document.getElementById("fleet-rows");
   var model = document.getElementById("filter-model");
   var state = document.getElementById("filter-state");
+  var role = document.getElementById("filter-role");
   var text = document.getElementById("filter-text");
   var pickedCount = document.getElementById("picked-count");
   var sortKey = null;
@@ -21,6 +22,7 @@
   function sortValue(row, key) {
     if (key === "name") return row.dataset.name.toLowerCase();
     if (key === "models") return row.dataset.models;
+    if (key === "role") return row.dataset.role;
     if (key === "severity") return SEVERITY[row.dataset.severity];
     var cell = row.children[COLUMNS[key]];
     var value = cell ? parseFloat(cell.dataset.sortValue) : NaN;
@@ -42,6 +44,7 @@
     if (wantModel && (" " + row.dataset.models).indexOf(" " + wantModel + " ") < 0) return false;
     if (wantState === "attention" && row.dataset.severity === "ok") return false;
     if (wantState && wantState !== "attention" && row.dataset.state !== wantState) return false;
+    if (role.value && row.dataset.role !== role.value) return false;
     return !words || row.dataset.text.toLowerCase().indexOf(words) >= 0;
   }
 
@@ -70,7 +73,7 @@
       refresh();
     });
   });
-  [model, state].forEach(function (el) { el.addEventListener("change", applyFilter); });
+  [model, state, role].forEach(function (el) { el.addEventListener("change", applyFilter); });
   text.addEventListener("input", applyFilter);
   tbody.addEventListener("change", countPicked);
   var all = table.querySelector("[data-testid=pick-all]");

@@ -114,7 +114,7 @@ def changes(event: Any) -> list[Any]:
 @register.filter
 def kind_label(kind: Any) -> str:
     """An event kind as the console's lines say it: "Worker joined", "API key created"."""
-    from controlpanel.registry.models import EventKind
+    from controlpanel.registry.choices import EventKind
 
     if kind not in EventKind.values:
         return str(kind)

@@ -10,8 +10,8 @@ controlpanel.console.real_demo). Ctrl-C or SIGTERM stops every child; if one die
 others are stopped too rather than limping on.
 
 Several routers share prefix knowledge, load and admission limits through Redis, so
-`--routers N` with N > 1 is refused without `REDIS_URL`, and `--routers auto` (one per core)
-means one router without it.
+`--routers N` with N > 1 is refused without `REDIS_URL`, and `--routers auto` (the default:
+one per core) means one router without it.
 """
 
 from __future__ import annotations
@@ -62,10 +62,10 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int, default=8000)
         parser.add_argument(
             "--routers",
-            default="1",
+            default=None,
             metavar="N",
-            help="router processes serving the one port (auto: one per core; more than "
-            "one needs REDIS_URL)",
+            help="router processes serving the one port (default auto: one per core when "
+            "REDIS_URL is set, else one; more than one needs REDIS_URL)",
         )
         parser.add_argument(
             "--demo", type=int, default=0, metavar="N", help="also run N simulated vLLM workers"
@@ -105,10 +105,13 @@ class Command(BaseCommand):
         if not options["no_celery"]:
             # --quiet: no banner. The warning about running as root is for a production
             # worker; here it is one process of a first run, often in a root container.
+            # The one worker has no peers: no heartbeat events every 2 s, no gossip or
+            # mingle, which only several workers (and monitors such as flower) use.
             children.append(
                 ("celery", [sys.executable, "-W", f"ignore:{CELERY_ROOT_WARNING}", "-m",
                             "celery", "-A", "controlpanel", "--quiet", "worker", "--beat",
-                            "--pool", "threads", "--concurrency", "4", "--loglevel", "WARNING"],
+                            "--pool", "threads", "--concurrency", "4", "--loglevel", "WARNING",
+                            "--without-heartbeat", "--without-gossip", "--without-mingle"],
                  False),
             )  # fmt: skip
         if options["demo"]:
@@ -157,12 +160,14 @@ class Command(BaseCommand):
             "to load; its agent registers it once it answers.")  # fmt: skip
         return args
 
-    def _router_count(self, value: str) -> int:
+    def _router_count(self, value: str | None) -> int:
         """--routers as a number; more than one only with Redis, where the routers share
-        prefix knowledge, load and admission limits."""
-        if value == "auto":
+        prefix knowledge, load and admission limits. The default (None) is auto: the
+        machine's cores with Redis, quietly one without."""
+        if value is None or value == "auto":
             if not settings.REDIS_URL:
-                self.stdout.write("--routers auto: 1 router, since REDIS_URL is unset.\n")
+                if value == "auto":
+                    self.stdout.write("--routers auto: 1 router, since REDIS_URL is unset.\n")
                 return 1
             return max(1, len(os.sched_getaffinity(0)))
         try:

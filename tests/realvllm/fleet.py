@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlpanel.fleet import health, served_models, services
 from controlpanel.registry.models import Worker
-from tests.conftest import RouterServer, wait_until
-from tests.realvllm.conftest import MODEL, RealWorker
+from tests.realvllm.servers import MODEL, RealWorker
+from tests.support.servers import RouterServer, wait_until
 
 # A generous ceiling for conditions on a busy 2-core machine: real vLLM shares the cores.
 PATIENCE_S = 60.0

@@ -23,9 +23,11 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import RouterServer, StartSimulator
-from tests.realvllm.conftest import MAX_MODEL_LEN, MODEL, RealWorker
+from controlpanel.fleet import health, services
 from tests.realvllm.fleet import register
+from tests.realvllm.servers import MAX_MODEL_LEN, MODEL, RealWorker
+from tests.support.servers import RouterServer, StartSimulator
+from tests.support.tap import tap
 
 pytestmark = pytest.mark.django_db(transaction=True)
 _salts = itertools.count()
@@ -85,26 +87,45 @@ def without(answer: httpx.Response, *fields: str) -> Any:
 def test_claude_codes_streamed_tool_turn_is_relayed_as_vllm_sends_it(
     router: RouterServer, vllm_pair: list[RealWorker]
 ) -> None:
-    register(router, vllm_pair[:1], events=False)  # see the module's docstring
+    real = vllm_pair[0]
     body = {**AGENT_TURN, "stream": True, "temperature": 0}
-    routed, direct = routed_and_direct(router, vllm_pair[0], "/v1/messages", body)
-    assert direct.status_code == 200 and direct.headers["content-type"].startswith(
-        "text/event-stream"
-    )
-    assert routed.status_code == 200 and routed.content == direct.content
-    names = [block.split(b"\n")[0] for block in direct.content.split(b"\n\n") if block]
-    assert names[:2] == [b"event: message_start", b"event: content_block_start"]
-    assert names[-1] == b"event: message_stop" and b"event: message_delta" in names
-    # The official client, as Claude Code drives it: the same text, event by event.
-    greedy = {"extra_body": {"temperature": 0}}
-    texts = []
-    for base in (router.url, vllm_pair[0].url):
-        stream = claude(base).messages.create(**AGENT_TURN, stream=True, **greedy)  # type: ignore[call-overload]
+    with tap("127.0.0.1", real.server.port) as recorded:
+        # The router reaches the server through the tap: what the client gets is compared with
+        # the answer vLLM gave to that very request (two generations may break a near tie
+        # apart), and the direct request only with its shape.
+        worker = services.worker_add(url=recorded.url, name="real-tapped", actor="test")
+        health.workers_probe()
+        router.wait_routable(worker)
+        routed, direct = routed_and_direct(router, real, "/v1/messages", body)
+        # The official client, as Claude Code drives it, through the router.
+        greedy = {"extra_body": {"temperature": 0}}
+        stream = claude(router.url).messages.create(**AGENT_TURN, stream=True, **greedy)  # type: ignore[call-overload]
         events = list(stream)
-        assert events[0].type == "message_start" and events[-1].type == "message_stop"
-        deltas = [e.delta for e in events if e.type == "content_block_delta"]
-        texts.append("".join(d.text for d in deltas if d.type == "text_delta"))
-    assert texts[0] == texts[1] and texts[0]
+        answers = recorded.answers_to(b"POST /v1/messages")
+    assert answers[0] == (200, routed.content)
+    assert routed.headers["content-type"].startswith("text/event-stream")
+    for answer in (routed, direct):
+        assert answer.status_code == 200
+        names = [block.split(b"\n")[0] for block in answer.content.split(b"\n\n") if block]
+        assert names[:2] == [b"event: message_start", b"event: content_block_start"]
+        assert names[-1] == b"event: message_stop" and b"event: message_delta" in names
+    assert events[0].type == "message_start" and events[-1].type == "message_stop"
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    text = "".join(d.text for d in deltas if d.type == "text_delta")
+    assert len(answers) == 2 and answers[1][0] == 200
+    assert text and text == sse_text(answers[1][1])
+
+
+def sse_text(stream: bytes) -> str:
+    """The text deltas of an Anthropic event stream, as vLLM sent them."""
+    text = []
+    for block in stream.split(b"\n\n"):
+        for line in block.split(b"\n"):
+            if line.startswith(b"data: "):
+                event = orjson.loads(line[6:])
+                delta = event.get("delta", {}) if event.get("type") == "content_block_delta" else {}
+                text.append(delta.get("text", "") if delta.get("type") == "text_delta" else "")
+    return "".join(text)
 
 
 def test_messages_and_count_tokens_routed_equal_direct(

@@ -1,5 +1,5 @@
-"""vLLM 0.32's wire contract (tests/vllm_contract.py) on real vLLM: the same live checks the
-simulator passes in tests/test_vllm_contract.py, so neither can drift from the other."""
+"""vLLM 0.32's wire contract (tests/support/vllm_live.py) on real vLLM: the same live checks the
+simulator passes in tests/e2e/test_vllm_contract.py, so neither can drift from the other."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from tests.realvllm.conftest import LORA, MODEL, RealWorker
-from tests.vllm_contract import (
+from tests.realvllm.servers import LORA, MODEL, RealWorker
+from tests.support.vllm_live import (
     LiveSource,
     check_live_errors,
     check_live_kv_events_and_replay,

@@ -22,7 +22,8 @@ import httpx
 
 from controlpanel.console.real_demo import MODEL_NAME
 from harness.real_vllm import START_TIMEOUT_S
-from tests.conftest import ROOT, free_port_run, subprocess_env, wait_until
+from tests.support.common import ROOT
+from tests.support.servers import free_port_run, subprocess_env, wait_until
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 

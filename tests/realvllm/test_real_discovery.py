@@ -8,9 +8,10 @@ import pytest
 
 from controlpanel.fleet import health
 from controlpanel.registry.models import Worker
-from tests.conftest import ADMIN_HEADERS, RouterServer, wait_until
-from tests.realvllm.conftest import RealWorker
 from tests.realvllm.fleet import PATIENCE_S, kv_status
+from tests.realvllm.servers import RealWorker
+from tests.support.common import ADMIN_HEADERS
+from tests.support.servers import RouterServer, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

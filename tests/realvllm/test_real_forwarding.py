@@ -11,9 +11,9 @@ import orjson
 import pytest
 
 from controlpanel.registry.models import Worker
-from tests.conftest import RouterServer, wait_until
-from tests.realvllm.conftest import BLOCK_SIZE, LORA, MAX_MODEL_LEN, MODEL, RealWorker
 from tests.realvllm.fleet import PATIENCE_S, register, use_policy, vllm_metric
+from tests.realvllm.servers import BLOCK_SIZE, LORA, MAX_MODEL_LEN, MODEL, RealWorker
+from tests.support.servers import RouterServer, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 MESSAGES = [

@@ -17,8 +17,6 @@ import pytest
 
 from controlpanel.fleet import served_models
 from controlpanel.registry.models import Worker
-from tests.conftest import RouterServer, start_router, stop_process, wait_until
-from tests.realvllm.conftest import BLOCK_SIZE, CACHE_BLOCKS, MODEL, RealWorker
 from tests.realvllm.fleet import (
     PATIENCE_S,
     kv_status,
@@ -27,6 +25,8 @@ from tests.realvllm.fleet import (
     router_metric,
     use_policy,
 )
+from tests.realvllm.servers import BLOCK_SIZE, CACHE_BLOCKS, MODEL, RealWorker
+from tests.support.servers import RouterServer, start_router, stop_process, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -1,4 +1,4 @@
-"""`previous_response_id` through the router against real vLLM (routing.response_affinity):
+"""`previous_response_id` through the router against real vLLM (routing.peers.response_affinity):
 vLLM 0.32 keeps a stored response in the server that made it (VLLM_ENABLE_RESPONSES_API_STORE
 is set in start_pair), so a follow-up, a GET or a cancel sent to the other server fails.
 Round robin alternates the two servers, so without the pin every other follow-up would."""
@@ -9,9 +9,9 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import RouterServer
-from tests.realvllm.conftest import MODEL, RealWorker
 from tests.realvllm.fleet import register, use_policy
+from tests.realvllm.servers import MODEL, RealWorker
+from tests.support.servers import RouterServer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -1,0 +1,80 @@
+"""The rollouts pages say what really happened, in real headless Chromium: a plan its gate
+rolled back reads "rolled back" (never the raw `rolled_back`) and names the gate that
+failed, and an action's flash message says the state the plan is in after it. A real
+Celery worker with beat moves the plan; steady traffic through the alias feeds the gates."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import httpx
+import pytest
+from playwright.sync_api import Page, expect
+
+from tests.support.browser import shot
+from tests.support.rollouts import create_alias, create_plan, wait_for_state
+from tests.support.servers import AddWorker, RouterServer, StartSimulator
+from tests.support.traffic import SteadyTraffic
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.browser]
+
+
+def test_a_rolled_back_plan_names_its_failed_gate_and_flashes_say_the_state(
+    operator: Page,
+    router: RouterServer,
+    simulator: StartSimulator,
+    add_worker: AddWorker,
+    celery_worker: subprocess.Popen[bytes],
+) -> None:
+    add_worker(simulator("chat-v1"), name="v1-gpu")
+    failing = simulator("chat-v2")
+    add_worker(failing, name="v2-gpu")
+    # Enough failures for the error-rate gate (5%), too few for the worker to turn degraded
+    # (50%), which would fail the plan on "no healthy worker" instead.
+    assert httpx.post(failing.url + "/sim/control", json={"fail_ratio": 0.25}).status_code == 200
+    create_alias(router, "chat", {"chat-v1": 100})
+    with SteadyTraffic(router.url, "chat", concurrency=2):
+        plan = create_plan(
+            router, alias="chat", to_target="chat-v2",
+            steps=[{"weight": 50, "hold_seconds": 60}, {"weight": 100, "hold_seconds": 60}],
+            gates={"max_error_rate": 0.05, "max_ttft_p95_ratio": 50, "min_requests": 10},
+        )  # fmt: skip
+        wait_for_state(router, plan["id"], {"rolled_back"})
+    operator.goto(f"{router.url}/rollouts/")
+    row = operator.locator(f"#rollout-row-{plan['id']}")
+    expect(row.get_by_test_id("plan-state")).to_have_text("rolled back")
+    expect(row.get_by_test_id("failed-gate")).to_contain_text("gate failed:")
+    expect(row.get_by_test_id("failed-gate")).to_contain_text("error rate")
+    shot(operator, "console-rollout-rolled-back.png")
+    operator.set_viewport_size({"width": 1024, "height": 800})
+    wide = operator.evaluate(
+        "[...document.querySelectorAll('main *')]"
+        ".filter(e => e.getBoundingClientRect().right > document.documentElement.clientWidth)"
+        ".map(e => e.tagName + '.' + e.className)"
+    )
+    assert not wide, wide  # nothing sticks out of the page at 1024 px, in a table or not
+    shot(operator, "console-rollout-rolled-back-1024.png")
+    operator.set_viewport_size({"width": 1280, "height": 800})
+
+    # A healthy plan this time: each action's flash says where the plan is now.
+    assert httpx.post(failing.url + "/sim/control", json={"fail_ratio": 0}).status_code == 200
+    second = create_plan(
+        router, alias="chat", to_target="chat-v2",
+        steps=[{"weight": 20, "hold_seconds": 300}, {"weight": 100, "hold_seconds": 300}],
+        gates={"max_error_rate": 1, "max_ttft_p95_ratio": 50, "min_requests": 1},
+    )  # fmt: skip
+    wait_for_state(router, second["id"], {"running"})
+    operator.goto(f"{router.url}/rollouts/{second['id']}/")
+    operator.get_by_test_id("action-pause").click()
+    flash = operator.get_by_test_id("message")
+    expect(flash).to_have_text(f"Rollout #{second['id']} is paused.")
+    expect(operator.get_by_test_id("plan-state")).to_have_text("paused")
+    operator.once("dialog", lambda dialog: dialog.accept())  # "Send all of chat's traffic back?"
+    operator.get_by_test_id("action-rollback").click()
+    expect(flash).to_have_text(re.compile(rf"^Rollout #{second['id']} is (rolling|rolled) back\b"))
+    expect(operator.get_by_test_id("plan-state")).to_have_text(
+        re.compile("^(rolling|rolled) back$")
+    )
+    assert "rolled_back" not in operator.locator("main").inner_text().replace("rollout", "")
+    shot(operator, "console-rollout-flash.png")

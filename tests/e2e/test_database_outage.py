@@ -71,8 +71,15 @@ def test_a_database_outage_is_a_503_everywhere_and_recovers(
             assert "database is unavailable" in answer.text and 'href="/events/"' in answer.text
         assert router.get("/health").status_code == 200  # the router itself keeps serving
         postgres.start()
-        # It recovers by itself: no restart, only time.
-        wait_until(lambda: session.get("/api/workers", headers=ADMIN_HEADERS).status_code == 200)
+        # It recovers by itself: no restart, only time. psycopg's pool backs off between
+        # reconnects (1, 2, 4 ... s) and grows one connection at a time, so for a few seconds
+        # after the first success a request can still wait out the pool's timeout (a 503 with
+        # Retry-After, as during the outage); every path must come back without a restart.
+        # (A path that names a worker the fleet does not have answers 404 once it is back.)
+        for path in API_PATHS:
+            wait_until(lambda p=path: session.get(p, headers=ADMIN_HEADERS).status_code < 500)
+        for path in PAGES:
+            wait_until(lambda p=path: session.get(p).status_code < 500)
         assert session.get("/").status_code == 200
     finally:
         stop_process(router.proc)

@@ -21,7 +21,7 @@ import pytest
 
 from controlpanel.fleet import served_models, services
 from controlpanel.registry.accounts import ADMIN_TOKEN_ACTOR
-from controlpanel.registry.models import Alias, Event, RoutingGeneration, ServedModel
+from controlpanel.registry.models import Alias, Event, ServedModel
 from simulator.server import RunningSimulator
 from tests.support.common import ADMIN_HEADERS
 from tests.support.fake_workers import fake_worker
@@ -47,13 +47,8 @@ def configure(router: RouterServer, name: str, fallbacks: list[str]) -> httpx.Re
         f"{router.url}/api/models/{name}", json={"fallbacks": fallbacks}, headers=ADMIN_HEADERS
     )
     if answer.status_code == 200:
-        caught_up(router)
+        router.wait_snapshot()
     return answer
-
-
-def caught_up(router: RouterServer) -> None:
-    generation = RoutingGeneration.current()
-    wait_until(lambda: router.get("/health").json()["snapshot_generation"] >= generation)
 
 
 def fallbacks_counted(router: RouterServer, model: str, target: str, reason: str) -> float:

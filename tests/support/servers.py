@@ -132,9 +132,15 @@ class RouterServer:
 
     def wait_snapshot(self) -> None:
         """Until the router routes with every change committed so far (a slow machine may
-        take longer than one poll)."""
-        changed = RoutingGeneration.current()
-        wait_until(lambda: int(self.get("/health").json()["snapshot_generation"]) >= changed)
+        take longer than one poll). Equality with the counter read at each try, not `>=`:
+        the suite's flush between tests deletes the counter's row, and the next change
+        starts it again at a random point that may lie below what the router last saw."""
+
+        def caught_up() -> bool:
+            seen = int(self.get("/health").json()["snapshot_generation"])
+            return seen == RoutingGeneration.current()
+
+        wait_until(caught_up)
 
     def wait_routable(self, *workers: Worker) -> None:
         ids = {w.pk for w in workers}

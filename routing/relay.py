@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
+from itertools import chain
 from time import perf_counter
 from typing import Any
 
@@ -171,4 +172,6 @@ def header(scope: Scope, name: bytes) -> str | None:
 
 
 def headers_size(headers: Iterable[tuple[bytes, bytes]]) -> int:
-    return sum(len(name) + len(value) for name, value in headers)
+    # map over the flattened pairs: the lengths are summed in C, no generator frame per
+    # header on every request (#29).
+    return sum(map(len, chain.from_iterable(headers)))

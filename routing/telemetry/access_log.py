@@ -30,11 +30,12 @@ import sys
 import threading
 import time
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 
 from routing.telemetry import explain
+from routing.telemetry.access_writer import BatchedHandler
 from routing.telemetry.counters import CLIENT_CLOSED
 
 if TYPE_CHECKING:
@@ -115,10 +116,43 @@ def write(trace: Exchange, worker: str) -> None:
         "pd": None if trace.pd is None else _pd_shown(trace.pd),
     }
     message = orjson.dumps(line).decode()
-    if logging.getLogRecordFactory() is not logging.LogRecord:  # someone's own records
-        log.info(message, extra={"status": line["status"]})
+    status = line["status"]
+    if (handler := direct_handler()) is not None:
+        for sample in handler.filters:  # SampleFilters only (direct_handler)
+            if not cast(SampleFilter, sample).keeps(status):
+                return
+        handler.add_line(message)
         return
-    log.handle(_record(message, line["status"]))
+    if logging.getLogRecordFactory() is not logging.LogRecord:  # someone's own records
+        log.info(message, extra={"status": status})
+        return
+    log.handle(_record(message, status))
+
+
+def direct_handler() -> BatchedHandler | None:
+    """The access log's handler when logging would only pass a finished line on to it:
+    settings.LOGGING's set-up, where the logger has no filter, does not propagate, and has
+    one batched handler (routing.telemetry.access_writer) that formats `%(message)s` alone
+    and filters by SampleFilter only. write() then hands the line over itself, without a
+    record and the dozen calls of logging's handle, filters and formatting (about 20 calls
+    a request, #29). Any other set-up (a test's handler, an operator's own LOGGING) gets
+    the line through logging as before. Asked at every line: LOGGING may change at run time.
+    """
+    if log.filters or log.propagate or len(log.handlers) != 1:
+        return None
+    handler = log.handlers[0]
+    if not isinstance(handler, BatchedHandler) or handler.level > logging.INFO:
+        return None
+    formatter = handler.formatter
+    if type(formatter) is not logging.Formatter or formatter._fmt != _MESSAGE_ONLY:
+        return None
+    for kept in handler.filters:
+        if type(kept) is not SampleFilter:
+            return None
+    return handler
+
+
+_MESSAGE_ONLY = "%(message)s"
 
 
 def _pd_shown(pd: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +171,9 @@ class SampleFilter(logging.Filter):
         self.share = share
 
     def filter(self, record: logging.LogRecord) -> bool:
-        status = getattr(record, "status", None)
+        return self.keeps(getattr(record, "status", None))
+
+    def keeps(self, status: object) -> bool:
         if self.share >= 1 or not isinstance(status, int) or status >= 400:
             return True
         return random.random() < self.share

@@ -22,7 +22,7 @@ from typing import Any
 GATHER_SECONDS = 0.05
 
 
-class _Batched(logging.StreamHandler):  # type: ignore[type-arg]
+class BatchedHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """A stream handler whose emit only buffers (see the module's docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -44,6 +44,12 @@ class _Batched(logging.StreamHandler):  # type: ignore[type-arg]
         except (TypeError, ValueError):  # logging's rule: a bad record never breaks the caller
             self.handleError(record)
             return
+        self.add_line(line)
+
+    def add_line(self, line: str) -> None:
+        """A finished line into the buffer: what emit does after formatting, and what the
+        access log calls directly when logging would only have passed its line through
+        (routing.telemetry.access_log.direct_handler)."""
         with self._ready:
             self._lines.append(line)
             if len(self._lines) == 1:
@@ -96,11 +102,11 @@ class _Batched(logging.StreamHandler):  # type: ignore[type-arg]
         super().close()
 
 
-class BatchedStreamHandler(_Batched):
+class BatchedStreamHandler(BatchedHandler):
     """The access log on stderr (the default)."""
 
 
-class BatchedFileHandler(_Batched, logging.handlers.WatchedFileHandler):
+class BatchedFileHandler(BatchedHandler, logging.handlers.WatchedFileHandler):
     """The access log in CONTROLPANEL_ACCESS_LOG_FILE, reopened when logrotate moves it."""
 
     def _write_lines(self, lines: list[str]) -> None:

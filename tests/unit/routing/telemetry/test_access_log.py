@@ -3,7 +3,10 @@ one line per request with what happened and nothing of what was asked, and sampl
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -13,6 +16,7 @@ from routing.exchange import Exchange
 from routing.fleet.client_keys import ClientKey
 from routing.sessions import Session
 from routing.telemetry import access_log
+from routing.telemetry.access_writer import BatchedStreamHandler
 from tests.support.exchanges import exchange
 
 
@@ -92,3 +96,65 @@ def test_sampling_keeps_a_share_of_successes_and_every_failure() -> None:
     half = access_log.SampleFilter(0.5)
     kept = sum(half.filter(record(200)) for _ in range(4000))
     assert 1700 < kept < 2300  # 2000 +- more than 6 sigma (sigma = 32)
+
+
+@contextlib.contextmanager
+def as_configured() -> Iterator[tuple[io.StringIO, access_log.SampleFilter]]:
+    """The `routing.access` logger set up as settings.LOGGING sets it up (one batched handler,
+    `%(message)s`, SampleFilter, no propagation), in place of pytest's capturing handlers
+    (which pytest adds for the test's call, so this runs inside the test)."""
+    log = access_log.log
+    kept = (list(log.handlers), list(log.filters), log.propagate, log.level)
+    stream, sample = io.StringIO(), access_log.SampleFilter(1.0)
+    handler = BatchedStreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(sample)
+    log.handlers[:], log.filters[:] = [handler], []
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    try:
+        yield stream, sample
+    finally:
+        handler.close()
+        log.handlers[:], log.filters[:], log.propagate = kept[0], kept[1], kept[2]
+        log.setLevel(kept[3])
+
+
+def test_the_configured_log_gets_its_line_without_a_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_record(*args: Any) -> logging.LogRecord:
+        raise AssertionError("a record was made")
+
+    monkeypatch.setattr(access_log, "_record", no_record)
+    with as_configured() as (stream, sample):
+        handler = access_log.direct_handler()
+        assert handler is not None
+        access_log.write(request(request_id=b"r-3", status=200), "w1")
+        sample.share = 0.0  # successes dropped, failures kept, as through logging
+        access_log.write(request(request_id=b"r-4", status=200), "w1")
+        access_log.write(request(request_id=b"r-5", status=502), "w1")
+        handler.flush()
+    lines = [orjson.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(line["request_id"], line["status"]) for line in lines] == [("r-3", 200), ("r-5", 502)]
+
+
+@pytest.mark.parametrize("change", ["formatter", "logger filter", "handler filter", "propagate"])
+def test_any_other_set_up_gets_the_line_through_logging(change: str) -> None:
+    with as_configured() as (stream, _):
+        log = access_log.log
+        handler = log.handlers[0]
+        if change == "formatter":
+            handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        elif change == "logger filter":
+            log.addFilter(lambda record: True)
+        elif change == "handler filter":
+            handler.addFilter(lambda record: record.getMessage().startswith("{"))
+        else:
+            log.propagate = True
+        assert access_log.direct_handler() is None
+        access_log.write(request(request_id=b"r-6", status=200), "w1")
+        handler.flush()
+    (line,) = stream.getvalue().splitlines()
+    assert '"request_id":"r-6"' in line
+    assert line.startswith("INFO ") == (change == "formatter")

@@ -80,3 +80,27 @@ async def register_workers(
         return sum(1 for w in workers if w["routable"]) == len(urls)
 
     await wait_ready("all workers routable", all_routable, fleet, timeout=30)
+
+
+async def snapshot_generation(session: aiohttp.ClientSession, router: str) -> int:
+    async with session.get(f"{router}/health") as resp:
+        return int(orjson.loads(await resp.read())["snapshot_generation"])
+
+
+async def set_model_policy(
+    session: aiohttp.ClientSession, fleet: Fleet, router: str, models: list[str], policy: str
+) -> None:
+    """PATCH each model's policy, then wait until the router has loaded a newer snapshot."""
+    headers = {"Authorization": f"Bearer {fleet.token}"}
+    before = await snapshot_generation(session, router)
+    for model in models:
+        url = f"{router}/api/models/{model}"
+        async with session.patch(url, json={"policy": policy}, headers=headers) as r:
+            if r.status != 200:
+                raise RuntimeError(f"PATCH {url}: HTTP {r.status} {(await r.text())[:300]}")
+            await r.read()
+
+    async def reloaded() -> bool:
+        return await snapshot_generation(session, router) > before
+
+    await wait_ready(f"{router} on policy {policy}", reloaded, fleet, timeout=30)

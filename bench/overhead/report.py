@@ -117,7 +117,8 @@ def report(result: dict[str, Any]) -> str:
         f"Machine: nproc {m['nproc']}, {m['cpu_model']}, Python {m['python']}, "
         f"kernel {m['kernel']}. Rounds: {result['config']['rounds']} per scenario "
         f"(medians shown){', quick mode' if result['config']['quick'] else ''}. "
-        f"Modes: {', '.join(result['modes'])}.",
+        f"Modes: {', '.join(result['modes'])}. "
+        f"The routers' policy: {result['config'].get('router_policy', 'default')}.",
     ]
     for mode, why in result.get("unavailable", {}).items():
         lines.append(f"**{mode} was not measured**: {why}")

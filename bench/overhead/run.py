@@ -88,7 +88,7 @@ import aiohttp
 
 from bench.common.floor import start_floor
 from bench.common.output import log, machine_info, write_json
-from bench.common.router_api import http_ok, post_ok, register_workers
+from bench.common.router_api import http_ok, post_ok, register_workers, set_model_policy
 from bench.overhead.load import (
     ALL_MODES,
     BASELINE,
@@ -238,12 +238,17 @@ async def start_fleet(fleet: Fleet, args: argparse.Namespace) -> Targets:
             f"{floor} (floor proxy)", partial(probe, session, floor, TINY_MODEL), fleet
         )
         await register_workers(session, fleet, router, all_urls)
+        if args.router_policy:
+            await set_model_policy(session, fleet, router, list(MODELS), args.router_policy)
     proxies = {"floor": Proxy.single(floor, floor_pid), "router": Proxy.single(router, router_pid)}
     targets = Targets(direct=direct, proxies=proxies, worker_pids=worker_pids)
+    policy = args.router_policy
     if args.baseline_tree is not None:
-        await start_router_mode(fleet, targets, all_urls, BASELINE, tree=args.baseline_tree)
+        await start_router_mode(
+            fleet, targets, all_urls, BASELINE, tree=args.baseline_tree, policy=policy
+        )
     if args.granian:
-        await start_router_mode(fleet, targets, all_urls, GRANIAN, server="granian")
+        await start_router_mode(fleet, targets, all_urls, GRANIAN, server="granian", policy=policy)
     for name in args.peers:
         if isinstance(command := args.peer_commands[name], str):
             targets.unavailable[name] = command
@@ -265,9 +270,11 @@ async def start_router_mode(
     mode: str,
     tree: Path = ROOT,
     server: str = "uvicorn",
+    policy: str | None = None,
 ) -> None:
     """The router again as mode `mode`: from the checkout in `tree`, or served by `server`;
-    its own database and var dir, the same workers added through its POST /api/workers."""
+    its own database and var dir, the same workers added through its POST /api/workers (and
+    the models' policy set to `policy`, if given)."""
     port = free_ports(1)[0]
     pid = start_router(fleet, port, name=mode, tree=tree, server=server)
     base = f"http://{HOST}:{port}"
@@ -276,6 +283,8 @@ async def start_router_mode(
             f"{base}/health ({mode})", partial(http_ok, session, base + "/health"), fleet
         )
         await register_workers(session, fleet, base, urls, name=mode)
+        if policy:
+            await set_model_policy(session, fleet, base, list(MODELS), policy)
         for model in MODELS:  # and it answers (granian's worker is up)
             await wait_ready(
                 f"{base} ({mode}, {model})", partial(probe, session, base, model), fleet
@@ -376,6 +385,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="NAMES",
         help=f"Rust routers to measure too, comma-separated, or 'none' ({','.join(PEERS)})",
     )
+    parser.add_argument(
+        "--router-policy",
+        metavar="POLICY",
+        help="the routers' policy for both models (default: the router's, shortest_queue); "
+        "round_robin routes as the floor and the Rust routers here do",
+    )
     args = parser.parse_args(argv)
     args.peers = [] if args.peers == "none" else [p for p in args.peers.split(",") if p]
     if unknown := [p for p in args.peers if p not in PEERS]:
@@ -408,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": PYTHON,
             "granian": args.granian,
             "peers": args.peers,
+            "router_policy": args.router_policy or "default",
             **({"baseline_tree": str(args.baseline_tree)} if args.baseline_tree else {}),
         },
         "duration_s": round(time.monotonic() - started, 1),

@@ -110,15 +110,23 @@ def prefix_bodies(model: str) -> tuple[bytes, ...]:
     )
 
 
-def scenarios(quick: bool) -> list[Scenario]:
+def scenarios(quick: bool, opt_in: bool = False) -> list[Scenario]:
+    """The benchmark's scenarios; with `opt_in`, also those that run only when named with
+    --only (streams at c=1 and c=8: how the added TTFT moves with concurrency)."""
     tiny_c1, tiny_cn, streams, prefix = (100, 400, 96, 192) if quick else (400, 2000, 320, 800)
-    return [
+    chosen = [
         Scenario("tiny c=1", TINY_MODEL, 1, tiny_c1, stream=False),
         Scenario("tiny c=32", TINY_MODEL, 32, tiny_cn, stream=False),
         Scenario("tiny c=128", TINY_MODEL, 128, tiny_cn, stream=False),
         Scenario(f"stream {STREAM_TOKENS} tok c=32", STREAM_MODEL, 32, streams, stream=True),
         Scenario("prefix 4k words c=32", TINY_MODEL, 32, prefix, stream=False, prefix=True),
     ]
+    if opt_in:
+        chosen += [
+            Scenario(f"stream {STREAM_TOKENS} tok c={c}", STREAM_MODEL, c, n, stream=True)
+            for c, n in ((1, streams // 5), (8, streams // 2))
+        ]
+    return chosen
 
 
 # --------------------------------------------------------------------------- /proc readings

@@ -318,7 +318,8 @@ async def start_peer(fleet: Fleet, targets: Targets, name: str, command: Path) -
 
 
 def selected(args: argparse.Namespace) -> list[Scenario]:
-    return [sc for sc in scenarios(args.quick) if not args.only or sc.name in args.only]
+    named = scenarios(args.quick, opt_in=bool(args.only))
+    return [sc for sc in named if not args.only or sc.name in args.only]
 
 
 async def benchmark(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
@@ -365,8 +366,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--only",
         action="append",
         metavar="SCENARIO",
-        choices=[sc.name for sc in scenarios(quick=False)],
-        help="run only this scenario (repeatable), e.g. --only 'tiny c=32'",
+        choices=[sc.name for sc in scenarios(quick=False, opt_in=True)],
+        help="run only this scenario (repeatable), e.g. --only 'tiny c=32'; "
+        "'stream 64 tok c=1' and 'stream 64 tok c=8' run only when named",
     )
     parser.add_argument(
         "--baseline-tree",

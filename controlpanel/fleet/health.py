@@ -139,7 +139,9 @@ def _apply(result: probes.ProbeResult) -> bool | None:
         if worker is None:
             return None  # removed while the probe ran
         previous = worker.scrape_state if isinstance(worker.scrape_state, dict) else {}
-        reading = probes.read_metrics(result.metrics_text, previous=previous, at=result.at)
+        reading = probes.read_metrics(
+            result.metrics_text, previous=previous, at=result.at, worker=result.worker_id
+        )
         update = _Update()
         _count_probe(update, worker, up=result.up, error=result.error)
         _record_load(update, reading, at=result.at)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from controlpanel.fleet import scrape_memo
 from routing.telemetry import prom_text
 from routing.telemetry.vllm_metrics import SERIES_KEY, KeptSeries, kept_series, vllm_text
 
@@ -116,13 +117,15 @@ def collect_samples(families: Iterable[Metric]) -> Samples:
     return samples
 
 
-def parse_scrape(text: str) -> Scrape | None:
-    """None when the text is not Prometheus at all (an HTML error page, a cut-off body)."""
+def parse_scrape(text: str, *, worker: int | None = None) -> Scrape | None:
+    """None when the text is not Prometheus at all (an HTML error page, a cut-off body).
+    With `worker`, the families that read as in that worker's last page are not parsed
+    again (scrape_memo); the result is the same."""
     # A server with no `vllm:` line at all is parsed whole, so what is not Prometheus still
     # reads as None rather than as an empty scrape.
     wanted = vllm_text(text) or text
     # Parsed once: the readings below and the kept vLLM series share the families.
-    families = prom_text.parse(wanted)
+    families = prom_text.parse(wanted) if worker is None else scrape_memo.families(worker, wanted)
     if families is None:  # a shape the fast reader leaves to prometheus_client
         try:
             families = list(text_string_to_metric_families(wanted))
@@ -196,15 +199,18 @@ def _says_asleep(state: str | None, value: float) -> bool:
     return value > 0
 
 
-def read_metrics(text: str | None, *, previous: Mapping[str, Any], at: float) -> MetricsReading:
+def read_metrics(
+    text: str | None, *, previous: Mapping[str, Any], at: float, worker: int | None = None
+) -> MetricsReading:
     """The metrics to show and route on, and the counters the next probe needs.
 
     `previous` is the last probe's counters (Worker.scrape_state); `at` the scrape time in
-    epoch seconds. Without readable text (the request failed, or the answer was not
-    Prometheus) every metric is None and the previous counters are kept, so the next delta
-    simply spans two intervals.
+    epoch seconds; `worker` lets parse_scrape reuse that worker's unchanged families.
+    Without readable text (the request failed, or the answer was not Prometheus) every
+    metric is None and the previous counters are kept, so the next delta simply spans two
+    intervals.
     """
-    scrape = None if text is None else parse_scrape(text)
+    scrape = None if text is None else parse_scrape(text, worker=worker)
     if scrape is None:
         kept = {key: previous.get(key) for key in COUNTER_KEYS}
         return MetricsReading(metrics=dict.fromkeys(METRIC_KEYS), counters=kept, sleeping=None)

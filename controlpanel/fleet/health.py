@@ -14,6 +14,9 @@
   worker), so routers rebuild their snapshot with the new queue lengths within a poll.
   Transitions (health, sleep, models) also bump in their own transaction, as every change
   the router must see does.
+* **Little bookkeeping per round.** Old history is pruned at most once a minute, and pool
+  preflight runs when a round changed something, when the set of workers changed, or
+  otherwise once a minute (:class:`RoundTimer`, per process).
 * **Never a made-up zero.** Metrics a server does not export are stored as None, and an
   unknown queue length leaves the last known one (an agent's heartbeat may also report it).
 """
@@ -21,6 +24,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -67,10 +72,13 @@ def workers_probe() -> int:
         return 0
     try:
         results = probes.probe_many(probe_targets(), timeout=settings.CONTROLPANEL_PROBE_TIMEOUT)
-        # The event loop is gone by now: the ORM runs here, in plain synchronous code.
+        # The loop has stopped by now: the ORM runs here, in plain synchronous code.
         outcomes = [_apply_logged(result) for result in results]
-        samples_prune()
-        _preflight_logged()
+        if PRUNE_TIMER.due():
+            samples_prune()
+        probed = frozenset(result.worker_id for result in results)
+        if _preflight_due(changed=any(outcomes), probed=probed):
+            _preflight_logged()
         if any(outcomes):  # a round that changed nothing routers read costs them nothing
             with transaction.atomic():
                 RoutingGeneration.bump()
@@ -79,12 +87,56 @@ def workers_probe() -> int:
         cache.delete(ROUND_LOCK_KEY)
 
 
+class RoundTimer:
+    """ "At most once every `seconds`" for a round's bookkeeping, in this process; `due`
+    says whether it is time (or `now` asks for it anyway) and, if so, starts the wait."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.last = -math.inf
+
+    def due(self, *, now: bool = False) -> bool:
+        at = time.monotonic()
+        if not now and at - self.last < self.seconds:
+            return False
+        self.last = at
+        return True
+
+    def reset(self) -> None:
+        self.last = -math.inf
+
+
+# History is kept CONTROLPANEL_HISTORY_MINUTES (15 at least): pruning once a minute rather
+# than every round keeps it within a minute of that and saves a DELETE per round.
+PRUNE_TIMER = RoundTimer(60.0)
+# Preflight compares what the round read (model lists, cache config) across pools: needed
+# when a round changed something, or the set of workers changed; otherwise once a minute,
+# which also catches what changed outside the probes.
+PREFLIGHT_TIMER = RoundTimer(60.0)
+_preflight_workers: frozenset[int] = frozenset()
+
+
+def _preflight_due(*, changed: bool, probed: frozenset[int]) -> bool:
+    global _preflight_workers
+    new_set, _preflight_workers = probed != _preflight_workers, probed
+    return PREFLIGHT_TIMER.due(now=changed or new_set)
+
+
+def round_timers_reset() -> None:
+    """The next round prunes and runs preflight whatever the last did (tests)."""
+    global _preflight_workers
+    PRUNE_TIMER.reset()
+    PREFLIGHT_TIMER.reset()
+    _preflight_workers = frozenset()
+
+
 def _preflight_logged() -> None:
     """Pools compared again with this round's readings (cache config, model lists); a
     failure there must not cost the round its results."""
     try:
         preflight.pools_preflight()
     except Exception:
+        PREFLIGHT_TIMER.reset()
         log.exception("pool preflight failed; the next round tries again")
 
 

@@ -190,3 +190,25 @@ def test_a_round_that_changes_nothing_routers_read_leaves_the_generation(peer: H
     peer.answer("/metrics", busier, content_type="text/plain")  # two more requests running
     assert health.workers_probe() == 1
     assert RoutingGeneration.current() != settled
+
+
+def test_an_idle_round_leaves_pruning_and_preflight_for_later(
+    peer: HttpPeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(health, "samples_prune", lambda: calls.append("prune") or 0)
+    monkeypatch.setattr(health.preflight, "pools_preflight", lambda: calls.append("preflight"))
+    bare_worker(peer.url, NEW_MODEL)
+    for _ in range(3):  # the first rounds change what needs two readings
+        health.workers_probe()
+    calls.clear()
+    health.workers_probe()  # the same page again, the same workers, within the minute
+    assert calls == []
+    bare_worker("http://127.0.0.1:1", NEW_MODEL)  # a new set of workers (refused at once)
+    health.workers_probe()
+    assert calls == ["preflight"]
+    calls.clear()
+    health.PRUNE_TIMER.last = health.PREFLIGHT_TIMER.last = time.monotonic() - 61
+    Worker.objects.filter(url="http://127.0.0.1:1").delete()
+    health.workers_probe()  # a minute later (and the set changed back): both
+    assert calls == ["prune", "preflight"]

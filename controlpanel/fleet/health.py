@@ -187,7 +187,7 @@ def probe_result_apply(*, result: probes.ProbeResult) -> bool:
 def _apply(result: probes.ProbeResult) -> bool | None:
     """None when not applied; else whether it changed anything routers read."""
     with transaction.atomic():
-        worker = Worker.objects.select_for_update().filter(pk=result.worker_id).first()
+        worker = _locked(result.worker_id)
         if worker is None:
             return None  # removed while the probe ran
         previous = worker.scrape_state if isinstance(worker.scrape_state, dict) else {}
@@ -206,6 +206,15 @@ def _apply(result: probes.ProbeResult) -> bool | None:
             return None
         _sample(worker, result, reading.metrics, gpus=_sampled_gpus(worker, update))
     return seen
+
+
+def _locked(worker_id: int) -> Worker | None:
+    """The row under its lock, by primary key alone (no ORDER BY, as .first() adds): the
+    same SELECT ... FOR UPDATE every time."""
+    try:
+        return Worker.objects.select_for_update().get(pk=worker_id)
+    except Worker.DoesNotExist:
+        return None
 
 
 def _routers_see(worker: Worker, update: _Update) -> bool:
@@ -321,13 +330,18 @@ def _sampled_gpus(worker: Worker, update: _Update) -> list[dict[str, Any]] | Non
 
 def _write(worker: Worker, update: _Update, *, actor: str) -> bool:
     """The conditional write: only if the state is still the one these changes were
-    computed from. Then the events, and a generation bump if the router must see them."""
-    written = Worker.objects.filter(pk=worker.pk, state=worker.state).update(
-        **update.fields, updated_at=timezone.now()
-    )
-    if not written:
-        log.info("state of %s changed while a result was applied; result dropped", worker.url)
-        return False
+    computed from, and only the fields that differ from the row as read (an idle worker's
+    metrics, its vLLM series among them, are tens of KiB of JSON a round would otherwise
+    encode and write again; nothing at all when nothing differs). Then the events, and a
+    generation bump if the router must see them."""
+    changed = {k: v for k, v in update.fields.items() if getattr(worker, k) != v}
+    if changed:
+        written = Worker.objects.filter(pk=worker.pk, state=worker.state).update(
+            **changed, updated_at=timezone.now()
+        )
+        if not written:
+            log.info("state of %s changed while a result was applied; result dropped", worker.url)
+            return False
     if update.served_models is not None:
         served_models_ensure(update.served_models)
     for kind, message in update.events:
@@ -377,7 +391,7 @@ def worker_passive_failures(*, worker_id: int, failures: int, cause: str) -> boo
     if failures < 1:
         return False
     with transaction.atomic():
-        worker = Worker.objects.select_for_update().filter(pk=worker_id).first()
+        worker = _locked(worker_id)
         if worker is None:
             return False
         total = worker.consecutive_failures + failures

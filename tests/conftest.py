@@ -145,3 +145,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.skipped and os.environ.get("CONTROLPANEL_TESTS_NO_SKIP") == "1":
         report.outcome = "failed"
         report.longrepr = f"skipped in a tier that must run every test: {report.longrepr}"
+
+
+@pytest.fixture(autouse=True)
+def _probe_round_timers() -> Iterator[None]:
+    """Each test's first probe round prunes history and runs preflight, as a fresh Celery
+    worker's does (controlpanel.fleet.health: at most once a minute otherwise)."""
+    from controlpanel.fleet import health
+
+    health.round_timers_reset()
+    yield

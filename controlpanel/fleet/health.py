@@ -14,6 +14,9 @@
   worker), so routers rebuild their snapshot with the new queue lengths within a poll.
   Transitions (health, sleep, models) also bump in their own transaction, as every change
   the router must see does.
+* **Little bookkeeping per round.** Old history is pruned at most once a minute, and pool
+  preflight runs when a round changed something, when the set of workers changed, or
+  otherwise once a minute (:class:`RoundTimer`, per process).
 * **Never a made-up zero.** Metrics a server does not export are stored as None, and an
   unknown queue length leaves the last known one (an agent's heartbeat may also report it).
 """
@@ -21,6 +24,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -67,10 +72,13 @@ def workers_probe() -> int:
         return 0
     try:
         results = probes.probe_many(probe_targets(), timeout=settings.CONTROLPANEL_PROBE_TIMEOUT)
-        # The event loop is gone by now: the ORM runs here, in plain synchronous code.
+        # The loop has stopped by now: the ORM runs here, in plain synchronous code.
         outcomes = [_apply_logged(result) for result in results]
-        samples_prune()
-        _preflight_logged()
+        if PRUNE_TIMER.due():
+            samples_prune()
+        probed = frozenset(result.worker_id for result in results)
+        if _preflight_due(changed=any(outcomes), probed=probed):
+            _preflight_logged()
         if any(outcomes):  # a round that changed nothing routers read costs them nothing
             with transaction.atomic():
                 RoutingGeneration.bump()
@@ -79,12 +87,56 @@ def workers_probe() -> int:
         cache.delete(ROUND_LOCK_KEY)
 
 
+class RoundTimer:
+    """ "At most once every `seconds`" for a round's bookkeeping, in this process; `due`
+    says whether it is time (or `now` asks for it anyway) and, if so, starts the wait."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.last = -math.inf
+
+    def due(self, *, now: bool = False) -> bool:
+        at = time.monotonic()
+        if not now and at - self.last < self.seconds:
+            return False
+        self.last = at
+        return True
+
+    def reset(self) -> None:
+        self.last = -math.inf
+
+
+# History is kept CONTROLPANEL_HISTORY_MINUTES (15 at least): pruning once a minute rather
+# than every round keeps it within a minute of that and saves a DELETE per round.
+PRUNE_TIMER = RoundTimer(60.0)
+# Preflight compares what the round read (model lists, cache config) across pools: needed
+# when a round changed something, or the set of workers changed; otherwise once a minute,
+# which also catches what changed outside the probes.
+PREFLIGHT_TIMER = RoundTimer(60.0)
+_preflight_workers: frozenset[int] = frozenset()
+
+
+def _preflight_due(*, changed: bool, probed: frozenset[int]) -> bool:
+    global _preflight_workers
+    new_set, _preflight_workers = probed != _preflight_workers, probed
+    return PREFLIGHT_TIMER.due(now=changed or new_set)
+
+
+def round_timers_reset() -> None:
+    """The next round prunes and runs preflight whatever the last did (tests)."""
+    global _preflight_workers
+    PRUNE_TIMER.reset()
+    PREFLIGHT_TIMER.reset()
+    _preflight_workers = frozenset()
+
+
 def _preflight_logged() -> None:
     """Pools compared again with this round's readings (cache config, model lists); a
     failure there must not cost the round its results."""
     try:
         preflight.pools_preflight()
     except Exception:
+        PREFLIGHT_TIMER.reset()
         log.exception("pool preflight failed; the next round tries again")
 
 
@@ -135,11 +187,13 @@ def probe_result_apply(*, result: probes.ProbeResult) -> bool:
 def _apply(result: probes.ProbeResult) -> bool | None:
     """None when not applied; else whether it changed anything routers read."""
     with transaction.atomic():
-        worker = Worker.objects.select_for_update().filter(pk=result.worker_id).first()
+        worker = _locked(result.worker_id)
         if worker is None:
             return None  # removed while the probe ran
         previous = worker.scrape_state if isinstance(worker.scrape_state, dict) else {}
-        reading = probes.read_metrics(result.metrics_text, previous=previous, at=result.at)
+        reading = probes.read_metrics(
+            result.metrics_text, previous=previous, at=result.at, worker=result.worker_id
+        )
         update = _Update()
         _count_probe(update, worker, up=result.up, error=result.error)
         _record_load(update, reading, at=result.at)
@@ -152,6 +206,15 @@ def _apply(result: probes.ProbeResult) -> bool | None:
             return None
         _sample(worker, result, reading.metrics, gpus=_sampled_gpus(worker, update))
     return seen
+
+
+def _locked(worker_id: int) -> Worker | None:
+    """The row under its lock, by primary key alone (no ORDER BY, as .first() adds): the
+    same SELECT ... FOR UPDATE every time."""
+    try:
+        return Worker.objects.select_for_update().get(pk=worker_id)
+    except Worker.DoesNotExist:
+        return None
 
 
 def _routers_see(worker: Worker, update: _Update) -> bool:
@@ -267,13 +330,18 @@ def _sampled_gpus(worker: Worker, update: _Update) -> list[dict[str, Any]] | Non
 
 def _write(worker: Worker, update: _Update, *, actor: str) -> bool:
     """The conditional write: only if the state is still the one these changes were
-    computed from. Then the events, and a generation bump if the router must see them."""
-    written = Worker.objects.filter(pk=worker.pk, state=worker.state).update(
-        **update.fields, updated_at=timezone.now()
-    )
-    if not written:
-        log.info("state of %s changed while a result was applied; result dropped", worker.url)
-        return False
+    computed from, and only the fields that differ from the row as read (an idle worker's
+    metrics, its vLLM series among them, are tens of KiB of JSON a round would otherwise
+    encode and write again; nothing at all when nothing differs). Then the events, and a
+    generation bump if the router must see them."""
+    changed = {k: v for k, v in update.fields.items() if getattr(worker, k) != v}
+    if changed:
+        written = Worker.objects.filter(pk=worker.pk, state=worker.state).update(
+            **changed, updated_at=timezone.now()
+        )
+        if not written:
+            log.info("state of %s changed while a result was applied; result dropped", worker.url)
+            return False
     if update.served_models is not None:
         served_models_ensure(update.served_models)
     for kind, message in update.events:
@@ -323,7 +391,7 @@ def worker_passive_failures(*, worker_id: int, failures: int, cause: str) -> boo
     if failures < 1:
         return False
     with transaction.atomic():
-        worker = Worker.objects.select_for_update().filter(pk=worker_id).first()
+        worker = _locked(worker_id)
         if worker is None:
             return False
         total = worker.consecutive_failures + failures

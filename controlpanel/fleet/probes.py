@@ -2,11 +2,12 @@
 
 Two halves, kept apart on purpose:
 
-* **I/O.** :func:`probe_many` asks every worker at once (``asyncio.gather`` over one shared
-  ``httpx.AsyncClient``), and each worker's requests run side by side under one deadline, so
-  a server that accepts and never answers costs the round one timeout, not one per worker or
-  per endpoint. It returns plain :class:`ProbeResult` values; the caller applies them with
-  the ORM after the event loop has finished, never inside it.
+* **I/O.** :func:`probe_many` asks every worker at once (``asyncio.gather`` over the
+  process's one ``aiohttp.ClientSession`` and event loop, kept between rounds:
+  :mod:`controlpanel.fleet.probe_session`), and each worker's requests run side by side
+  under one deadline, so a server that accepts and never answers costs the round one
+  timeout, not one per worker or per endpoint. It returns plain :class:`ProbeResult`
+  values; the caller applies them with the ORM after the loop has run, never inside it.
 * **Parsing.** :func:`read_metrics` is a pure function of the ``/metrics`` text, the previous
   scrape's raw counters and the scrape time, so it is tested on recorded samples. Rates (the
   prefix-cache hit rate, requests per second, recent TTFT quantiles) are *deltas between two
@@ -21,6 +22,7 @@ Whatever the server does not export stays ``None``. A made-up zero would read as
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import math
 import ssl
@@ -34,11 +36,12 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from controlpanel.fleet import scrape_memo
 from routing.telemetry import prom_text
 from routing.telemetry.vllm_metrics import SERIES_KEY, KeptSeries, kept_series, vllm_text
 
 if TYPE_CHECKING:
-    import httpx
+    import aiohttp
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -69,9 +72,8 @@ COUNTER_KEYS = ("at", "prefix_queries", "prefix_hits", "requests", "ttft_buckets
 
 # Workers probed at the same moment; more wait for a free slot, so a huge fleet cannot use
 # up the process's file descriptors. Each probed worker holds up to four connections
-# (/health, /metrics, /v1/models and its DCGM exporter).
+# (/health, /metrics, /v1/models and its DCGM exporter): probe_session's limits.
 MAX_CONCURRENT_WORKERS = 128
-REQUESTS_PER_WORKER = 4
 
 
 # --- parsing (pure) --------------------------------------------------------------------------
@@ -115,13 +117,15 @@ def collect_samples(families: Iterable[Metric]) -> Samples:
     return samples
 
 
-def parse_scrape(text: str) -> Scrape | None:
-    """None when the text is not Prometheus at all (an HTML error page, a cut-off body)."""
+def parse_scrape(text: str, *, worker: int | None = None) -> Scrape | None:
+    """None when the text is not Prometheus at all (an HTML error page, a cut-off body).
+    With `worker`, the families that read as in that worker's last page are not parsed
+    again (scrape_memo); the result is the same."""
     # A server with no `vllm:` line at all is parsed whole, so what is not Prometheus still
     # reads as None rather than as an empty scrape.
     wanted = vllm_text(text) or text
     # Parsed once: the readings below and the kept vLLM series share the families.
-    families = prom_text.parse(wanted)
+    families = prom_text.parse(wanted) if worker is None else scrape_memo.families(worker, wanted)
     if families is None:  # a shape the fast reader leaves to prometheus_client
         try:
             families = list(text_string_to_metric_families(wanted))
@@ -195,15 +199,18 @@ def _says_asleep(state: str | None, value: float) -> bool:
     return value > 0
 
 
-def read_metrics(text: str | None, *, previous: Mapping[str, Any], at: float) -> MetricsReading:
+def read_metrics(
+    text: str | None, *, previous: Mapping[str, Any], at: float, worker: int | None = None
+) -> MetricsReading:
     """The metrics to show and route on, and the counters the next probe needs.
 
     `previous` is the last probe's counters (Worker.scrape_state); `at` the scrape time in
-    epoch seconds. Without readable text (the request failed, or the answer was not
-    Prometheus) every metric is None and the previous counters are kept, so the next delta
-    simply spans two intervals.
+    epoch seconds; `worker` lets parse_scrape reuse that worker's unchanged families.
+    Without readable text (the request failed, or the answer was not Prometheus) every
+    metric is None and the previous counters are kept, so the next delta simply spans two
+    intervals.
     """
-    scrape = None if text is None else parse_scrape(text)
+    scrape = None if text is None else parse_scrape(text, worker=worker)
     if scrape is None:
         kept = {key: previous.get(key) for key in COUNTER_KEYS}
         return MetricsReading(metrics=dict.fromkeys(METRIC_KEYS), counters=kept, sleeping=None)
@@ -337,27 +344,18 @@ def probe_many(targets: list[ProbeTarget], *, timeout: float) -> list[ProbeResul
     MAX_CONCURRENT_WORKERS, however many of them hang."""
     if not targets:
         return []
-    return asyncio.run(_probe_all(targets, timeout=timeout))
+    # Here: the router imports this module (worker_auth) and never probes.
+    from controlpanel.fleet import probe_session
+
+    return probe_session.run(_probe_all(targets, timeout=timeout))
 
 
 async def _probe_all(targets: list[ProbeTarget], *, timeout: float) -> list[ProbeResult]:
-    import httpx  # here: the router process imports this module, and never probes
+    from controlpanel.fleet import probe_session  # loaded by probe_many already: a lookup
 
-    concurrency = min(len(targets), MAX_CONCURRENT_WORKERS)
-    limits = httpx.Limits(
-        max_connections=concurrency * REQUESTS_PER_WORKER,
-        max_keepalive_connections=concurrency * REQUESTS_PER_WORKER,
-    )
-    slots = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout),
-        limits=limits,
-        follow_redirects=False,
-        verify=tls_context(),
-    ) as client:
-        return list(
-            await asyncio.gather(*(_probe_in_slot(client, t, slots, timeout) for t in targets))
-        )
+    client = await probe_session.session(tls=tls_context())
+    slots = asyncio.Semaphore(min(len(targets), MAX_CONCURRENT_WORKERS))
+    return list(await asyncio.gather(*(_probe_in_slot(client, t, slots, timeout) for t in targets)))
 
 
 @cache
@@ -372,14 +370,14 @@ def tls_context() -> ssl.SSLContext:
 
 
 async def _probe_in_slot(
-    client: httpx.AsyncClient, target: ProbeTarget, slots: asyncio.Semaphore, timeout: float
+    client: aiohttp.ClientSession, target: ProbeTarget, slots: asyncio.Semaphore, timeout: float
 ) -> ProbeResult:
     async with slots:
         return await probe_one(client, target, timeout=timeout)
 
 
 async def probe_one(
-    client: httpx.AsyncClient, target: ProbeTarget, *, timeout: float
+    client: aiohttp.ClientSession, target: ProbeTarget, *, timeout: float
 ) -> ProbeResult:
     at = time.time()
     requests = [
@@ -417,35 +415,50 @@ class _Answer:
 
 
 async def _get(
-    client: httpx.AsyncClient, url: str, timeout: float, headers: dict[str, str] | None = None
+    client: aiohttp.ClientSession, url: str, timeout: float, headers: dict[str, str] | None = None
 ) -> _Answer:
-    # httpx's timeouts bound each phase; this bounds the whole request, so a server that
-    # trickles its answer byte by byte still cannot hold the round.
-    import httpx  # loaded by _probe_all already: a lookup
+    # One deadline for the whole request, connect to last byte, so a server that accepts
+    # and never answers, or trickles its answer byte by byte, still cannot hold the round.
+    import aiohttp  # loaded by probe_session already: a lookup
 
     try:
         async with asyncio.timeout(timeout):
-            response = await client.get(url, headers=headers)
-    except (TimeoutError, httpx.TimeoutException):
+            async with client.get(url, headers=headers, allow_redirects=False) as response:
+                body = await response.read()
+    except TimeoutError:  # aiohttp's own timeouts are TimeoutErrors too
         return _Answer(None, error=f"timed out after {timeout:g} s")
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
         return _Answer(None, error=describe_error(exc))
-    return _Answer(response.status_code, text=response.text)
+    return _Answer(response.status, text=_decoded(body, response.charset))
+
+
+def _decoded(body: bytes, charset: str | None) -> str:
+    """The body as text, as httpx's `.text` read it: the declared charset, else UTF-8, and
+    undecodable bytes replaced rather than failing the probe."""
+    try:
+        return body.decode(charset or "utf-8", errors="replace")
+    except LookupError:  # a charset Python does not know
+        return body.decode("utf-8", errors="replace")
 
 
 def describe_error(exc: Exception) -> str:
-    """A short cause for an event message; httpx's own texts are sometimes empty or, for
-    a refused connection, only "All connection attempts failed"."""
-    import httpx  # loaded already: exc came from it
+    """A short cause for an event message, in the words the probes always used (with httpx
+    before): "connection refused", "cannot connect: ...", "connection closed: ..."."""
+    import aiohttp  # loaded already: exc came from it
 
     text = str(exc).strip()
-    if isinstance(exc, httpx.ConnectError):
-        if _caused_by(exc, ConnectionRefusedError) or "refused" in text.lower():
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        if _refused(exc.os_error) or "refused" in text.lower():
             return "connection refused"
         return f"cannot connect: {text}"
-    if isinstance(exc, httpx.RemoteProtocolError):
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
         return f"connection closed: {text}" if text else "connection closed"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _refused(error: OSError) -> bool:
+    # Several addresses tried (IPv6 and IPv4) end in one OSError naming each errno.
+    return _caused_by(error, ConnectionRefusedError) or error.errno == errno.ECONNREFUSED
 
 
 def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:

@@ -81,3 +81,13 @@ assert probe_workers.app is app and rollouts_tick.app is app
 assert app.conf.broker_url == f"{broker.ALIAS}://", app.conf.broker_url
 """
     assert "celery" in loaded_after(code, tmp_path)
+
+
+def test_the_router_loads_no_probe_session(tmp_path: Path) -> None:
+    """The router imports `probes` (worker_auth), never the probes' loop and session."""
+    code = """
+import sys
+import controlpanel.asgi, controlpanel.urls
+assert "controlpanel.fleet.probe_session" not in sys.modules
+"""
+    assert "django" in loaded_after(code, tmp_path)

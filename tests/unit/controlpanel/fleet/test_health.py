@@ -190,3 +190,45 @@ def test_a_round_that_changes_nothing_routers_read_leaves_the_generation(peer: H
     peer.answer("/metrics", busier, content_type="text/plain")  # two more requests running
     assert health.workers_probe() == 1
     assert RoutingGeneration.current() != settled
+
+
+def test_an_idle_round_leaves_pruning_and_preflight_for_later(
+    peer: HttpPeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(health, "samples_prune", lambda: calls.append("prune") or 0)
+    monkeypatch.setattr(health.preflight, "pools_preflight", lambda: calls.append("preflight"))
+    bare_worker(peer.url, NEW_MODEL)
+    for _ in range(3):  # the first rounds change what needs two readings
+        health.workers_probe()
+    calls.clear()
+    health.workers_probe()  # the same page again, the same workers, within the minute
+    assert calls == []
+    bare_worker("http://127.0.0.1:1", NEW_MODEL)  # a new set of workers (refused at once)
+    health.workers_probe()
+    assert calls == ["preflight"]
+    calls.clear()
+    health.PRUNE_TIMER.last = health.PREFLIGHT_TIMER.last = time.monotonic() - 61
+    Worker.objects.filter(url="http://127.0.0.1:1").delete()
+    health.workers_probe()  # a minute later (and the set changed back): both
+    assert calls == ["prune", "preflight"]
+
+
+def test_an_idle_round_writes_only_what_moved(peer: HttpPeer) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    worker = bare_worker(peer.url, NEW_MODEL)
+    for _ in range(3):  # rates need two readings; the third reads as the second
+        health.workers_probe()
+    before = fresh(worker)
+    with CaptureQueriesContext(connection) as queries:
+        assert health.workers_probe() == 1
+    (update,) = [q["sql"] for q in queries if q["sql"].startswith('UPDATE "controlpanel_worker"')]
+    assert '"metrics"' not in update and '"models"' not in update  # the same page as last time
+    assert '"last_probe_at"' in update and '"scrape_state"' in update
+    after = fresh(worker)
+    assert after.metrics == before.metrics and after.last_probe_at != before.last_probe_at
+    by_pk = '"controlpanel_worker"."id" = '
+    (locked,) = [q["sql"] for q in queries if q["sql"].startswith("SELECT") and by_pk in q["sql"]]
+    assert "ORDER BY" not in locked  # one fixed SELECT (... FOR UPDATE where the database has it)

@@ -44,7 +44,13 @@ import orjson
 
 from bench.common.floor import start_floor
 from bench.common.output import log
-from bench.common.router_api import http_ok, listed_workers, post_ok, register_workers
+from bench.common.router_api import (
+    http_ok,
+    listed_workers,
+    post_ok,
+    register_workers,
+    snapshot_generation,
+)
 from bench.routing import fleet as rf
 from bench.routing.fleet import MODEL, use_tokenizer, wait_kv_ready, wait_tokenizer_loaded
 from harness.fleet import HOST, PYTHON, ROOT, Fleet, wait_ready
@@ -364,11 +370,6 @@ def stop_setup(proc: Fleet, setup: Setup) -> None:
 # --------------------------------------------------------------------------- policies
 
 
-async def generation(http: aiohttp.ClientSession, url: str) -> int:
-    async with http.get(url + "/health") as resp:
-        return int(orjson.loads(await resp.read())["snapshot_generation"])
-
-
 async def set_policy(
     http: aiohttp.ClientSession,
     proc: Fleet,
@@ -378,7 +379,7 @@ async def set_policy(
 ) -> str | None:
     """PATCH the model's policy on the set-up's first router, then wait until every router it
     can address has a newer snapshot, plus POLICY_SETTLE_S; None, or why it failed."""
-    before = {u: await generation(http, u) for u in setup.router_urls}
+    before = {u: await snapshot_generation(http, u) for u in setup.router_urls}
     headers = {"Authorization": f"Bearer {proc.token}"}
     body = {"policy": policy, "policy_config": config}
     url = f"{setup.admin}/api/models/{MODEL}"
@@ -390,7 +391,7 @@ async def set_policy(
     pending = dict(before)
     while pending and time.monotonic() < deadline:
         for u in list(pending):
-            if await generation(http, u) > pending[u]:
+            if await snapshot_generation(http, u) > pending[u]:
                 del pending[u]
         await asyncio.sleep(0.05)
     if pending:

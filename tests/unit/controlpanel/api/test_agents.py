@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from controlpanel.registry.choices import WorkerState
-from controlpanel.registry.models import Event, RouterInstance, Worker
+from controlpanel.registry.models import Event, Worker
 from tests.support.common import AGENT_HEADERS
 from tests.support.in_process import call, error_of
+from tests.support.router_rows import routers_only_this_tests
 
 pytestmark = pytest.mark.django_db
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.django_db
 def no_other_routers() -> None:
     """A router an earlier end-to-end test left running reports into the same database,
     and a drain waits for the live routers' in-flight counts: only this test's count."""
-    RouterInstance.objects.all().delete()
+    routers_only_this_tests()
 
 
 URL = "http://127.0.0.1:9"

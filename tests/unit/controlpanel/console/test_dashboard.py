@@ -13,6 +13,7 @@ from django.utils import timezone
 from controlpanel.console import dashboard
 from controlpanel.registry.choices import WorkerRole, WorkerSource
 from controlpanel.registry.models import RouterInstance, Worker, WorkerSample
+from tests.support.router_rows import routers_only_this_tests
 
 pytestmark = pytest.mark.django_db
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.django_db
 def no_other_routers() -> None:
     """Only this test's routers: a router an earlier end-to-end test of the same session
     left running reports into the same database (as tests/unit/controlpanel/routers does)."""
-    RouterInstance.objects.all().delete()
+    routers_only_this_tests()
 
 
 def worker(name: str, models: list[dict[str, Any]], **fields: Any) -> Worker:

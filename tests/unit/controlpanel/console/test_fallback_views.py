@@ -11,6 +11,7 @@ from django.utils import timezone
 from controlpanel.console import fallback_views as fv
 from controlpanel.registry.models import Alias, RouterInstance, ServedModel
 from tests.support.in_process import staff_client
+from tests.support.router_rows import routers_only_this_tests
 
 pytestmark = pytest.mark.django_db
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.django_db
 def no_other_routers() -> None:
     """Only this test's routers: one an earlier end-to-end test left running reports into
     the same database."""
-    RouterInstance.objects.all().delete()
+    routers_only_this_tests()
 
 
 def router(instance: str, fallbacks: list[list[object]]) -> None:

@@ -12,6 +12,7 @@ from django.utils import timezone
 from controlpanel.fleet import selectors
 from controlpanel.registry.choices import WorkerSource, WorkerState
 from controlpanel.registry.models import ROUTER_LIVENESS, RouterInstance, Worker
+from tests.support.router_rows import routers_only_this_tests
 
 pytestmark = pytest.mark.django_db
 
@@ -49,7 +50,7 @@ def test_an_agents_silent_worker_covers_nothing() -> None:
 
 
 def test_inflight_is_summed_over_live_routers_only() -> None:
-    RouterInstance.objects.all().delete()
+    routers_only_this_tests()
     now = timezone.now()
     for name, seen, inflight in (
         ("r1", now, {"7": 2, "8": 1}),

@@ -28,6 +28,7 @@ from controlpanel.registry.models import (
     Worker,
 )
 from tests.support.http_peer import HttpPeer, http_peer
+from tests.support.router_rows import routers_only_this_tests
 
 pytestmark = pytest.mark.django_db
 
@@ -41,7 +42,7 @@ def peer() -> Iterator[HttpPeer]:
 
 @pytest.fixture(autouse=True)
 def no_routers() -> None:
-    RouterInstance.objects.all().delete()
+    routers_only_this_tests()
 
 
 def kinds(worker: Worker | None = None) -> list[str]:

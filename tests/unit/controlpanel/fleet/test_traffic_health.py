@@ -15,6 +15,7 @@ from django.utils import timezone
 from controlpanel.fleet import traffic_health
 from controlpanel.registry.choices import EventKind, WorkerState
 from controlpanel.registry.models import ROUTER_LIVENESS, Event, RouterInstance, Worker
+from tests.support.router_rows import routers_only_this_tests
 
 RATE = traffic_health.RATE_WINDOW_SECONDS
 ENOUGH = settings.CONTROLPANEL_DEGRADED_MIN_REQUESTS
@@ -52,7 +53,7 @@ def test_the_window_differences_the_totals_at_its_start(router_id: str, settings
 
 @pytest.mark.django_db
 def test_live_routers_windows_are_summed_and_judged() -> None:
-    RouterInstance.objects.all().delete()
+    routers_only_this_tests()
     worker = Worker.objects.create(url="http://10.0.0.1:8000", name="w", source="operator")
     now = timezone.now()
     failing = max(1, int(ENOUGH * settings.CONTROLPANEL_DEGRADED_ERROR_RATE + 0.999))
@@ -85,7 +86,7 @@ def test_live_routers_windows_are_summed_and_judged() -> None:
 
 @pytest.mark.django_db
 def test_too_few_requests_never_condemn() -> None:
-    RouterInstance.objects.all().delete()
+    routers_only_this_tests()
     worker = Worker.objects.create(url="http://10.0.0.1:8000", name="w", source="operator")
     now = timezone.now()
     RouterInstance.objects.create(

@@ -19,6 +19,7 @@ from controlpanel.registry.models import (
     Worker,
 )
 from controlpanel.registry.signals import routing_committed
+from tests.support.router_rows import routers_only_this_tests
 
 NOW = timezone.now()
 EXPIRY = 90
@@ -91,7 +92,7 @@ def test_before_any_change_there_is_no_generation_and_no_identity() -> None:
 
 @pytest.mark.django_db
 def test_live_routers_are_those_seen_recently() -> None:
-    RouterInstance.objects.all().delete()
+    routers_only_this_tests()
     for name, age in (("fresh", 1), ("old", 60)):
         seen = timezone.now() - timedelta(seconds=age)
         RouterInstance.objects.create(

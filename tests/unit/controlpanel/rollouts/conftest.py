@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from controlpanel.registry.models import Alias, RouterInstance, Worker
+from controlpanel.registry.models import Alias, Worker
 from controlpanel.rollouts import aliases
+from tests.support.router_rows import routers_only_this_tests
 
 
 @pytest.fixture
 def chat(db: None) -> Alias:
     # The session's router (when a test before this one started it) reports into the same
     # database: only this test's reports count.
-    RouterInstance.objects.all().delete()
+    routers_only_this_tests()
     for i, model in enumerate(("v1", "v1", "v2")):
         Worker.objects.create(
             url=f"http://10.0.0.{i}:8000", name=f"w{i}", source="operator", models=[{"id": model}]

@@ -16,6 +16,7 @@ from controlpanel.registry.models import Alias, Event, RolloutPlan, RouterInstan
 from controlpanel.rollouts import aliases, clock, gates, plans, transitions
 from routing.telemetry.counters import GATE_TTFT_BUCKETS
 from tests.support.common import ADMIN_HEADERS
+from tests.support.router_rows import routers_only_this_tests
 
 pytestmark = pytest.mark.django_db
 
@@ -26,7 +27,7 @@ STEPS = ({"weight": 10, "hold_seconds": 60}, {"weight": 100, "hold_seconds": 0})
 def fleet() -> None:
     # Only this test's reports: the session's router (when a test before this one started it)
     # reports into the same database, and the rollback would wait for it.
-    RouterInstance.objects.all().delete()
+    routers_only_this_tests()
     for i, model in enumerate(("v1", "v1", "v2")):
         Worker.objects.create(
             url=f"http://10.0.0.{i}:8000",

@@ -18,6 +18,7 @@ from controlpanel.registry.choices import EventKind, WorkerState
 from controlpanel.registry.models import ROUTER_LIVENESS, Event, RouterInstance, Worker
 from controlpanel.routers import reports
 from routing.ports import RouterReport
+from tests.support.router_rows import routers_only_this_tests
 
 pytestmark = pytest.mark.django_db
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.django_db
 def names() -> Iterator[list[str]]:
     """Router instance ids of this test's own (their traffic history lives in the process),
     and no other router's rows."""
-    RouterInstance.objects.all().delete()
+    routers_only_this_tests()
     made: list[str] = []
     yield made
     for instance_id in made:

@@ -24,6 +24,7 @@ from tests.support.metrics import (
     parse,
     value,
 )
+from tests.support.router_rows import routers_only_this_tests
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -176,13 +177,12 @@ def test_only_the_longest_running_router_exports_the_fleet() -> None:
 
     from django.utils import timezone
 
-    from controlpanel.registry.models import RouterInstance
     from controlpanel.routers import reports
     from routing.ports import RouterReport
 
     now = timezone.now()
     # Only this test's routers: the session's router may be reporting into this database.
-    RouterInstance.objects.all().delete()
+    routers_only_this_tests()
 
     def report(instance: str, started: datetime) -> bool:
         return reports.router_report(

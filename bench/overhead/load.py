@@ -47,10 +47,12 @@ MODES = ("direct", "floor", "router")
 BASELINE = "baseline"
 # With --granian: controlpanel.asgi from this checkout, served by granian instead of uvicorn.
 GRANIAN = "router-granian"
+# With --floor-raw: the floor proxy with a minimal httptools upstream client instead of aiohttp.
+FLOOR_RAW = "floor-raw"
 # With --peers: the Rust routers (harness/rust_routers.py), one instance per model, round robin.
 PEERS = ("vllm-router", "sglang-router")
 # Every mode, in the order of a round's rotation (those of the run, that is).
-ALL_MODES = (*MODES, BASELINE, GRANIAN, *PEERS)
+ALL_MODES = (*MODES, FLOOR_RAW, BASELINE, GRANIAN, *PEERS)
 
 
 def key(mode: str) -> str:

@@ -47,6 +47,11 @@ Method:
   ``controlpanel.asgi`` app, environment and workers, served by granian (``--interface asgi
   --workers 1 --loop uvloop --no-access-log``) on its own throw-away database; its CPU and RSS
   are its supervisor's and its worker's together.
+* **The floor with another upstream client** (``--floor-raw``). Mode ``floor-raw``:
+  ``bench/common/floor_raw_proxy.py``, the floor proxy with aiohttp's client replaced by a
+  minimal HTTP/1.1 client (asyncio protocol, httptools' parser, a keep-alive pool), same
+  uvicorn command and upstreams: how much of the floor is the upstream client (a lower bound:
+  no timeouts, no flow control, no TLS).
 * **The Rust routers** (``--peers``, default ``vllm-router,sglang-router``; ``none`` skips
   them). ``vllm-router`` 0.1.17 and ``sglang-router`` 0.3.2 (``harness/rust_routers.py``
   installs them once per machine into ``~/.cache/controlpanel/rust-routers-<hash>``), round
@@ -63,7 +68,7 @@ Method:
   warns that the figures are unreliable.
 
 Usage: ``.venv/bin/python -m bench.overhead [--rounds N] [--quick] [--only SCENARIO]
-[--baseline-tree DIR] [--granian] [--peers vllm-router,sglang-router | none]``.
+[--baseline-tree DIR] [--granian] [--floor-raw] [--peers vllm-router,sglang-router | none]``.
 Prints a markdown report and writes the figures, with per-round detail, to
 ``bench/out/overhead-<timestamp>.json``.
 All traffic stays on 127.0.0.1; all subprocesses are stopped on exit, error or Ctrl-C.
@@ -92,6 +97,7 @@ from bench.common.router_api import http_ok, post_ok, register_workers, set_mode
 from bench.overhead.load import (
     ALL_MODES,
     BASELINE,
+    FLOOR_RAW,
     GRANIAN,
     PEERS,
     STREAM_ITL_MS,
@@ -241,6 +247,14 @@ async def start_fleet(fleet: Fleet, args: argparse.Namespace) -> Targets:
         if args.router_policy:
             await set_model_policy(session, fleet, router, list(MODELS), args.router_policy)
     proxies = {"floor": Proxy.single(floor, floor_pid), "router": Proxy.single(router, router_pid)}
+    if args.floor_raw:
+        raw_port = free_ports(1)[0]
+        raw_pid = start_floor(fleet, raw_port, direct, FLOOR_RAW, "bench.common.floor_raw_proxy")
+        raw = f"http://{HOST}:{raw_port}"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            for model in MODELS:
+                await wait_ready(f"{raw} ({FLOOR_RAW})", partial(probe, session, raw, model), fleet)
+        proxies[FLOOR_RAW] = Proxy.single(raw, raw_pid)
     targets = Targets(direct=direct, proxies=proxies, worker_pids=worker_pids)
     policy = args.router_policy
     if args.baseline_tree is not None:
@@ -324,7 +338,11 @@ def selected(args: argparse.Namespace) -> list[Scenario]:
 
 async def benchmark(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
     workers = 2 * WORKERS_PER_SET
-    others = [*([BASELINE] if args.baseline_tree else []), *([GRANIAN] if args.granian else [])]
+    others = [
+        *([FLOOR_RAW] if args.floor_raw else []),
+        *([BASELINE] if args.baseline_tree else []),
+        *([GRANIAN] if args.granian else []),
+    ]
     also = "".join(f", {m}" for m in [*others, *args.peers])
     log(f"starting {workers} simulated workers, the router, the floor proxy{also} ...")
     targets = await start_fleet(fleet, args)
@@ -382,6 +400,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"also measure the router served by granian (mode '{GRANIAN}')",
     )
     parser.add_argument(
+        "--floor-raw",
+        action="store_true",
+        help=f"also measure the floor proxy with a minimal httptools upstream client instead "
+        f"of aiohttp (mode '{FLOOR_RAW}', bench/common/floor_raw_proxy.py)",
+    )
+    parser.add_argument(
         "--peers",
         default=",".join(PEERS),
         metavar="NAMES",
@@ -424,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             "only": args.only,
             "python": PYTHON,
             "granian": args.granian,
+            "floor_raw": args.floor_raw,
             "peers": args.peers,
             "router_policy": args.router_policy or "default",
             **({"baseline_tree": str(args.baseline_tree)} if args.baseline_tree else {}),

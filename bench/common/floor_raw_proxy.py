@@ -46,7 +46,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.chunks: deque[bytes] = deque()
         self.headers: list[tuple[bytes, bytes]] = []
-        self.head_done = self.complete = self.closed = False
+        self.head_done = self.complete = self.closed = self.keep_alive = False
 
     def begin(self) -> None:
         self.headers = []
@@ -68,6 +68,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        # Asked here: once the message is complete, llhttp answers False.
+        self.keep_alive = self.parser.should_keep_alive()
         self.head_done = True
         self._wake()
 
@@ -107,7 +109,7 @@ class Pool:
         return conn
 
     def release(self, address: Address, conn: UpstreamConnection) -> None:
-        if conn.closed or not conn.parser.should_keep_alive():
+        if conn.closed or not conn.keep_alive:
             if conn.transport is not None:
                 conn.transport.close()
             return

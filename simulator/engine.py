@@ -138,6 +138,7 @@ class Simulator:
         self.cancelled = 0
         self.peak_running = self.running  # the most requests in the batch at once, since
         self.injected_failures = 0
+        self.fail_debt = 0.0  # simulator.generation.injects_failure's running share
         self.cancelled_ids: list[str] = []
         self.by_path: Counter[str] = Counter()
         self.requests: deque[dict[str, Any]] = deque(maxlen=200)

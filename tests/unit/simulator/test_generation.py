@@ -75,6 +75,19 @@ def test_a_fail_ratio_of_one_answers_every_valid_request_with_the_injected_error
     drive(scenario, fail_ratio=1.0)
 
 
+def test_a_fail_ratio_fails_exactly_that_share_spread_evenly() -> None:
+    """At 0.2 every fifth request fails: no run of ten requests holds more than two
+    failures, as a router's short health window would otherwise see by chance."""
+
+    async def scenario(s: Served) -> None:
+        statuses = [(await s.post("/v1/completions", {"prompt": "x"}))[0] for _ in range(50)]
+        failed = [i for i, status in enumerate(statuses) if status == 500]
+        assert failed == list(range(4, 50, 5))
+        assert (s.sim.injected_failures, s.sim.completed) == (10, 40)
+
+    drive(scenario, fail_ratio=0.2)
+
+
 def test_a_client_that_goes_away_cancels_its_request_and_frees_the_slot() -> None:
     async def scenario(s: Served) -> None:
         body = {**CHAT, "max_tokens": 10_000, "stream": True}

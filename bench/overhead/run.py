@@ -216,11 +216,15 @@ def progress(sc: Scenario, i: int, results: dict[str, list[RoundStats]]) -> None
     print(f"  {sc.name:<20} round {i + 1}: " + " | ".join(parts), file=sys.stderr, flush=True)
 
 
+# The floor proxies a run starts: the floor, and with --floor-raw its variant.
+FLOOR_MODULES = {"floor": "bench.common.floor_proxy", FLOOR_RAW: "bench.common.floor_raw_proxy"}
+
+
 async def start_fleet(fleet: Fleet, args: argparse.Namespace) -> Targets:
-    ports = free_ports(2 * WORKERS_PER_SET + 2)
-    router_port, floor_port = ports[0], ports[1]
-    tiny_ports = ports[2 : 2 + WORKERS_PER_SET]
-    stream_ports = ports[2 + WORKERS_PER_SET :]
+    ports = free_ports(2 * WORKERS_PER_SET + 1)
+    router_port = ports[0]
+    tiny_ports = ports[1 : 1 + WORKERS_PER_SET]
+    stream_ports = ports[1 + WORKERS_PER_SET :]
     for i, port in enumerate(tiny_ports):
         start_simulated_worker(fleet, f"tiny{i}", port, TINY_MODEL, ttft=0, itl=0)
     for i, port in enumerate(stream_ports):
@@ -234,27 +238,22 @@ async def start_fleet(fleet: Fleet, args: argparse.Namespace) -> Targets:
         TINY_MODEL: [f"http://{HOST}:{p}" for p in tiny_ports],
         STREAM_MODEL: [f"http://{HOST}:{p}" for p in stream_ports],
     }
-    floor_pid = start_floor(fleet, floor_port, direct)
-    floor = f"http://{HOST}:{floor_port}"
+    floors = [name for name in FLOOR_MODULES if name == "floor" or args.floor_raw]
+    floor_urls: dict[str, tuple[str, int]] = {}
+    for name, port in zip(floors, free_ports(len(floors)), strict=True):
+        pid = start_floor(fleet, port, direct, name, FLOOR_MODULES[name])
+        floor_urls[name] = (f"http://{HOST}:{port}", pid)
     all_urls = direct[TINY_MODEL] + direct[STREAM_MODEL]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         for url in [*all_urls, router]:
             await wait_ready(f"{url}/health", partial(http_ok, session, url + "/health"), fleet)
-        await wait_ready(
-            f"{floor} (floor proxy)", partial(probe, session, floor, TINY_MODEL), fleet
-        )
+        for name, (url, _) in floor_urls.items():
+            await wait_ready(f"{url} ({name})", partial(probe, session, url, TINY_MODEL), fleet)
         await register_workers(session, fleet, router, all_urls)
         if args.router_policy:
             await set_model_policy(session, fleet, router, list(MODELS), args.router_policy)
-    proxies = {"floor": Proxy.single(floor, floor_pid), "router": Proxy.single(router, router_pid)}
-    if args.floor_raw:
-        raw_port = free_ports(1)[0]
-        raw_pid = start_floor(fleet, raw_port, direct, FLOOR_RAW, "bench.common.floor_raw_proxy")
-        raw = f"http://{HOST}:{raw_port}"
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-            for model in MODELS:
-                await wait_ready(f"{raw} ({FLOOR_RAW})", partial(probe, session, raw, model), fleet)
-        proxies[FLOOR_RAW] = Proxy.single(raw, raw_pid)
+    proxies = {name: Proxy.single(url, pid) for name, (url, pid) in floor_urls.items()}
+    proxies["router"] = Proxy.single(router, router_pid)
     targets = Targets(direct=direct, proxies=proxies, worker_pids=worker_pids)
     policy = args.router_policy
     if args.baseline_tree is not None:

@@ -24,7 +24,6 @@ from tests.support.metrics import (
     parse,
     value,
 )
-from tests.support.router_rows import routers_only_this_tests
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -179,6 +178,7 @@ def test_only_the_longest_running_router_exports_the_fleet() -> None:
 
     from controlpanel.routers import reports
     from routing.ports import RouterReport
+    from tests.support.router_rows import routers_only_this_tests
 
     now = timezone.now()
     # Only this test's routers: the session's router may be reporting into this database.

@@ -1,8 +1,8 @@
 """The processes and sockets of the tests that run the real thing: the real router (uvicorn)
 in a subprocess on the test database, the simulators' event loop, a Celery worker, and
-waiting on a condition rather than sleeping. Free ports, waiting and stopping a child are
-harness.processes' (re-exported here with the suite's ceiling and failure); the fixtures
-built on these are in tests/conftest.py.
+waiting on a condition rather than sleeping. Free ports come from a band of each xdist
+worker's own (free_port_run); waiting and stopping a child are harness.processes' (here with
+the suite's ceiling and failure); the fixtures built on these are in tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -24,38 +24,62 @@ from django.db import connection
 
 from controlpanel.registry.models import RoutingGeneration, Worker
 from harness import processes
-from harness.processes import free_port as free_port  # re-exported: the tests import it here
-from harness.processes import free_ports as free_ports
 from simulator.server import RunningSimulator
 from tests.support.common import ROOT
 
 _RESERVED_LOW, _RESERVED_BAND = 20_000, 3_000  # 20000-31999: below the ephemeral range
+_handed_out: set[int] = set()  # this process's ports so far: two picks in a row differ
 
 
 def free_port_run(n: int) -> int:
-    """The first of `n` consecutive free ports, for a subprocess that binds them seconds
-    later (`serve --port`, `--demo-base-port`). Taken below the kernel's ephemeral range
-    (ip_local_port_range), where no `bind(0)` and no outgoing connection of another test can
-    take them meanwhile (one did: "address already in use" for a demo engine); each xdist
-    worker draws from a band of its own."""
+    """The first of `n` consecutive free ports, for a server that binds them later (a
+    subprocess's `--port` seconds later, a simulator's KV socket). Taken below the kernel's
+    ephemeral range (ip_local_port_range), where no `bind(0)` and no outgoing connection of
+    another test can take them meanwhile: one did ("address already in use" for a demo
+    engine), and a router whose port a simulator took answered /health through that
+    simulator, then refused every request. Each xdist worker draws from a band of its own,
+    and never hands out a port twice until half its band is spent."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     band = int(worker) if worker.isdigit() else 0
     low = _RESERVED_LOW + (band % 4) * _RESERVED_BAND
-    for _ in range(200):
+    if len(_handed_out) > _RESERVED_BAND // 2:
+        _handed_out.clear()
+    for _ in range(500):
         base = random.randrange(low, low + _RESERVED_BAND - n)
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
+        run = range(base, base + n)
+        if _handed_out.intersection(run):
             continue
-        finally:
-            for sock in socks:
-                sock.close()
+        if _all_bind(run):
+            _handed_out.update(run)
+            return base
     raise RuntimeError(f"no run of {n} free ports found")
+
+
+def _all_bind(ports: range) -> bool:
+    socks: list[socket.socket] = []
+    try:
+        for port in ports:
+            sock = socket.socket()
+            socks.append(sock)
+            sock.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def free_port() -> int:
+    """A free port from this worker's band (free_port_run): also for a port that must
+    stay closed, since no other test's server or connection lands there."""
+    return free_port_run(1)
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports (consecutive) from this worker's band."""
+    base = free_port_run(n)
+    return list(range(base, base + n))
 
 
 def database_url() -> str:
@@ -176,9 +200,11 @@ def start_router(var_dir: Path, port: int | None = None, **env: str) -> RouterSe
         if proc.poll() is not None:
             raise AssertionError(f"router exited early:\n{server.log()}")
         try:
-            return server.get("/health").status_code == 200
+            answer = server.get("/health")
         except httpx.HTTPError:
             return False
+        # A router's own answer, not another server's on a port taken meanwhile.
+        return answer.status_code == 200 and b"snapshot_generation" in answer.content
 
     wait_until(healthy)
     return server

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import h11
 
-from harness.processes import free_port
+from tests.support.servers import free_port
 
 
 @dataclass

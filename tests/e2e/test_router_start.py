@@ -6,11 +6,16 @@ of the module was refused."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.support.servers import StartSimulator, free_port, free_ports, start_router
+from tests.support.servers import (
+    StartSimulator,
+    free_port,
+    free_ports,
+    start_router,
+    stop_process,
+)
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -25,8 +30,16 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_not_handed_out_twice()
 
 
 def test_a_router_whose_port_another_server_holds_fails_to_start(
-    django_db_setup: None, django_db_blocker: Any, var_dir: Path, simulator: StartSimulator
+    tmp_path: Path, simulator: StartSimulator
 ) -> None:
     squatter = simulator("m")  # answers /health 200, as a router would
-    with django_db_blocker.unblock(), pytest.raises(AssertionError, match="router exited early"):
-        start_router(var_dir, port=squatter.port)
+    # A database of its own: the router never gets to serve, and touches no test's rows.
+    alone = f"sqlite:///{tmp_path / 'alone.sqlite3'}"
+    try:
+        started = start_router(tmp_path, port=squatter.port, DATABASE_URL=alone)
+    except AssertionError as exc:
+        assert "router exited early" in str(exc)
+        assert "address already in use" in str(exc)
+        return
+    stop_process(started.proc)  # it would bind the port once the simulator is gone
+    pytest.fail("start_router returned a router that another server answered for")

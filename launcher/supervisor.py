@@ -18,7 +18,9 @@ agent) starts once its URL answers, and is stopped first, with the routers' othe
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import socket
 import sys
@@ -42,6 +44,9 @@ READY_TIMEOUT_SECONDS = 60.0
 # lower with it, at the same CPU per request. An operator's own value is kept.
 ROUTER_MALLOC_ENV = {"MALLOC_ARENA_MAX": "2"}
 URL_POLL_SECONDS = 1.0  # how often a --url-child's URL is asked while it is not answering
+# Between children's exits (SIGCHLD) and signals, which wake it at once, the watch looks
+# anyway this often: polling five times a second was most of an idle supervisor's CPU.
+WATCH_SECONDS = 5.0
 LOG_TAIL_LINES = 15  # of a server child's log, shown when it dies
 
 
@@ -140,13 +145,14 @@ class Supervisor:
 
     def _supervise(self) -> int:
         next_ask = 0.0
-        while not self.stopping:
-            if self._one_exited():
-                return 1
-            if self._waiting and time.monotonic() >= next_ask:
-                self._start_answered()
-                next_ask = time.monotonic() + URL_POLL_SECONDS
-            time.sleep(POLL_SECONDS)
+        with SignalWake() as wake:
+            while not self.stopping:
+                if self._one_exited():
+                    return 1
+                if self._waiting and time.monotonic() >= next_ask:
+                    self._start_answered()
+                    next_ask = time.monotonic() + URL_POLL_SECONDS
+                wake.wait(URL_POLL_SECONDS if self._waiting else WATCH_SECONDS)
         return 0
 
     def _one_exited(self) -> bool:
@@ -186,6 +192,39 @@ class Supervisor:
         """SIGTERM, then SIGKILL past the deadline; a server's whole group, and until none of
         it runs, so serve never exits while an engine process still holds its memory."""
         stop(children, seconds, on_kill=_say_killed)
+
+
+class SignalWake:
+    """Sleep until a signal comes (a child's exit, SIGCHLD, among them) or the timeout: the
+    signal module writes each signal to a pipe (set_wakeup_fd) that select() waits on, so
+    no signal between a check and the sleep is lost."""
+
+    def __enter__(self) -> SignalWake:
+        self._read, write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(write, False)
+        self._write = write
+        # The pipe is written only for signals with a Python handler; SIGCHLD has none.
+        self._chld = signal.signal(signal.SIGCHLD, _ignore)
+        self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        return self
+
+    def wait(self, timeout: float) -> None:
+        ready, _, _ = select.select([self._read], [], [], timeout)
+        if ready:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._read, 512):
+                    pass
+
+    def __exit__(self, *exc: object) -> None:
+        signal.set_wakeup_fd(self._previous_fd)
+        signal.signal(signal.SIGCHLD, self._chld)
+        os.close(self._read)
+        os.close(self._write)
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """SIGCHLD's handler: only there so the signal reaches SignalWake's pipe."""
 
 
 def _say_killed(child: Running) -> None:

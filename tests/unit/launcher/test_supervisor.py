@@ -1,6 +1,7 @@
 """launcher.supervisor with tiny real children (`python -c`): the routers' clients started
 once a router answers and stopped first, a --url-child started once its URL answers, a child
-that dies stopping everything, a server child's log shown, a port in use refused.
+that dies stopping everything (the watch woken by its exit), a server child's log shown, a
+port in use refused.
 
 The supervisor runs in a child process of its own (it takes SIGTERM and SIGINT); its router
 processes are stand-ins answering 200 on the inherited socket, as uvicorn would, since a unit
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from launcher.listener import listener_bind
+from launcher.supervisor import SignalWake
 from tests.support.common import ROOT
 from tests.support.servers import free_port
 
@@ -187,3 +189,15 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None
             cwd=ROOT, capture_output=True, text=True, timeout=CEILING_S,
         )  # fmt: skip
     assert done.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in done.stderr
+
+
+def test_the_watch_wakes_when_a_child_exits_not_at_its_timeout() -> None:
+    """The idle supervisor sleeps between checks (WATCH_SECONDS); a child's exit ends the
+    sleep at once, through SIGCHLD."""
+    with SignalWake() as wake:
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        started = time.monotonic()
+        wake.wait(CEILING_S)
+        waited = time.monotonic() - started
+    assert child.wait(CEILING_S) == 0
+    assert waited < CEILING_S  # woken by the exit, not by the timeout

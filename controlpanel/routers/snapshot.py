@@ -14,6 +14,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
+from django.db.models import Field
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
@@ -148,12 +149,15 @@ def load_reports() -> dict[int, tuple[int, float]]:
 
 
 def _load_reports_sql() -> str:
-    quote, meta = connection.ops.quote_name, Worker._meta
-    pk, queue, at = (quote(meta.get_field(name).column) for name in _LOAD_REPORT_FIELDS)
-    return f"SELECT {pk}, {queue}, {at} FROM {quote(meta.db_table)} WHERE {at} IS NOT NULL"
+    pk, queue, at = (_column(name) for name in ("id", "queue_length", "queue_length_at"))
+    table = connection.ops.quote_name(Worker._meta.db_table)
+    return f"SELECT {pk}, {queue}, {at} FROM {table} WHERE {at} IS NOT NULL"
 
 
-_LOAD_REPORT_FIELDS = ("id", "queue_length", "queue_length_at")
+def _column(name: str) -> str:
+    field = Worker._meta.get_field(name)
+    assert isinstance(field, Field)  # a column of the table, not a relation's other side
+    return connection.ops.quote_name(field.column)
 
 
 def _timestamp(at: datetime | str) -> float:

@@ -89,6 +89,39 @@
     });
   }
 
+  // A button pressed while the feed replaces its row or panel loses its click: mousedown
+  // lands on the old button, mouseup on the new one. While a pointer is down, messages wait
+  // and are applied in order once it is released, after the click has gone to the button
+  // (data-held on the status says how many wait).
+  var pressed = false;
+  var held = [];
+
+  function hold(message) {
+    held.push(message);
+    status.dataset.held = held.length;
+  }
+
+  function release() {
+    pressed = false;
+    // After the click this release belongs to, which the browser sends after pointerup.
+    setTimeout(function () {
+      if (pressed) return;
+      var waiting = held.splice(0);
+      delete status.dataset.held;
+      waiting.forEach(apply);
+    }, 0);
+  }
+
+  document.addEventListener("pointerdown", function () { pressed = true; }, true);
+  document.addEventListener("pointerup", release, true);
+  document.addEventListener("pointercancel", release, true);
+  window.addEventListener("blur", release);
+
+  function receive(message) {
+    if (pressed) hold(message);
+    else apply(message);
+  }
+
   function apply(message) {
     if (message.rollouts) applyRollouts(message.rollouts);
     if (tbody && message.rows) applyFleet(message);
@@ -144,7 +177,7 @@
       setStatus(everConnected ? "Live · reconnected" : "Live", "ok");
       everConnected = true;
     };
-    socket.onmessage = function (event) { apply(JSON.parse(event.data)); };
+    socket.onmessage = function (event) { receive(JSON.parse(event.data)); };
     socket.onclose = function (event) {
       if (event.code === 4401 || event.code === 4403) {
         setStatus("Not live: log in again", "down");

@@ -1,16 +1,18 @@
 """The rollouts pages say what really happened, in real headless Chromium: a plan its gate
 rolled back reads "rolled back" (never the raw `rolled_back`) and names the gate that
-failed, and an action's flash message says the state the plan is in after it. A real
+failed, an action's flash message says the state the plan is in after it, and a click is
+not lost to the live feed replacing the panel under it. A real
 Celery worker with beat moves the plan; steady traffic through the alias feeds the gates."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+from collections.abc import Callable
 
 import httpx
 import pytest
-from playwright.sync_api import Page, expect
+from playwright.sync_api import Page, WebSocketRoute, expect
 
 from tests.support.browser import shot
 from tests.support.rollouts import create_alias, create_plan, wait_for_state
@@ -78,3 +80,53 @@ def test_a_rolled_back_plan_names_its_failed_gate_and_flashes_say_the_state(
     )
     assert "rolled_back" not in operator.locator("main").inner_text().replace("rollout", "")
     shot(operator, "console-rollout-flash.png")
+
+
+def test_a_pressed_button_keeps_its_click_when_the_live_feed_replaces_its_panel(
+    operator: Page,
+    router: RouterServer,
+    simulator: StartSimulator,
+    add_worker: AddWorker,
+    celery_worker: subprocess.Popen[bytes],
+) -> None:
+    """The feed's first message (everything, on connect) replaced the plan's panel between
+    a click's mousedown and mouseup on a loaded machine, and the click was lost. The feed
+    is held here (route_web_socket) and let through while the button is pressed."""
+    add_worker(simulator("chat-v1"), name="v1-gpu")
+    add_worker(simulator("chat-v2"), name="v2-gpu")
+    create_alias(router, "chat", {"chat-v1": 100})
+    plan = create_plan(
+        router, alias="chat", to_target="chat-v2",
+        steps=[{"weight": 20, "hold_seconds": 300}, {"weight": 100, "hold_seconds": 300}],
+        gates={"max_error_rate": 1, "max_ttft_p95_ratio": 50, "min_requests": 1},
+    )  # fmt: skip
+    wait_for_state(router, plan["id"], {"running"})
+    from_server: list[str | bytes] = []
+    feeds: list[WebSocketRoute] = []
+
+    def hold_the_feed(feed: WebSocketRoute) -> None:
+        feeds.append(feed)
+        feed.connect_to_server().on_message(lambda message: from_server.append(message))
+
+    operator.route_web_socket(re.compile(r"/ws/fleet/$"), hold_the_feed)
+    operator.goto(f"{router.url}/rollouts/{plan['id']}/")
+    until(operator, lambda: bool(feeds and from_server))  # the full message, held
+    pause = operator.get_by_test_id("action-pause").bounding_box()
+    assert pause is not None
+    operator.mouse.move(pause["x"] + pause["width"] / 2, pause["y"] + pause["height"] / 2)
+    operator.mouse.down()
+    feeds[0].send(from_server[0])  # the plan's panel, rendered anew, arrives mid-click
+    expect(operator.get_by_test_id("live-status")).to_have_attribute("data-held", "1")
+    operator.mouse.up()
+    expect(operator.get_by_test_id("message")).to_have_text(f"Rollout #{plan['id']} is paused.")
+    expect(operator.get_by_test_id("plan-state")).to_have_text("paused")
+
+
+def until(page: Page, condition: Callable[[], bool]) -> None:
+    """Wait for a condition that Playwright's callbacks make true: they run only while the
+    page is waited on, never during a plain sleep."""
+    for _ in range(600):  # a ceiling of 30 s
+        if condition():
+            return
+        page.wait_for_timeout(50)
+    raise AssertionError("condition not met within 30 s")

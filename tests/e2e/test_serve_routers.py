@@ -78,9 +78,19 @@ def stopper() -> Iterator[list[Served]]:
     started: list[Served] = []
     yield started
     for served in started:
-        if served.proc.poll() is None:
-            served.proc.kill()
-            served.proc.wait()
+        if served.proc.poll() is None:  # a test that failed before it stopped serve
+            routers = served.children()
+            served.proc.terminate()
+            try:
+                served.proc.wait(GRACE + 10)
+            except subprocess.TimeoutExpired:
+                served.proc.kill()
+                served.proc.wait()
+            # Killed, the supervisor leaves its routers running, holding the test database.
+            for pid in routers:
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                    if b"launcher.router" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        os.kill(pid, signal.SIGKILL)
 
 
 def assert_supervisor_loads_no_django(pid: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import fields
 from datetime import UTC, datetime
-from functools import wraps
+from functools import cache, wraps
 from types import MappingProxyType
 from typing import Any, ParamSpec, TypeVar
 
@@ -148,6 +148,7 @@ def load_reports() -> dict[int, tuple[int, float]]:
     return {pk: (queue or 0, _timestamp(at)) for pk, queue, at in rows if at is not None}
 
 
+@cache  # one database per process: its quoting does not change
 def _load_reports_sql() -> str:
     pk, queue, at = (_column(name) for name in ("id", "queue_length", "queue_length_at"))
     table = connection.ops.quote_name(Worker._meta.db_table)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -16,7 +17,7 @@ from playwright.sync_api import Page, WebSocketRoute, expect
 
 from tests.support.browser import shot
 from tests.support.rollouts import create_alias, create_plan, wait_for_state
-from tests.support.servers import AddWorker, RouterServer, StartSimulator
+from tests.support.servers import AddWorker, RouterServer, StartSimulator, wait_until
 from tests.support.traffic import SteadyTraffic
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.browser]
@@ -61,12 +62,7 @@ def test_a_rolled_back_plan_names_its_failed_gate_and_flashes_say_the_state(
 
     # A healthy plan this time: each action's flash says where the plan is now.
     assert httpx.post(failing.url + "/sim/control", json={"fail_ratio": 0}).status_code == 200
-    second = create_plan(
-        router, alias="chat", to_target="chat-v2",
-        steps=[{"weight": 20, "hold_seconds": 300}, {"weight": 100, "hold_seconds": 300}],
-        gates={"max_error_rate": 1, "max_ttft_p95_ratio": 50, "min_requests": 1},
-    )  # fmt: skip
-    wait_for_state(router, second["id"], {"running"})
+    second = running_healthy_plan(router)
     operator.goto(f"{router.url}/rollouts/{second['id']}/")
     operator.get_by_test_id("action-pause").click()
     flash = operator.get_by_test_id("message")
@@ -95,12 +91,7 @@ def test_a_pressed_button_keeps_its_click_when_the_live_feed_replaces_its_panel(
     add_worker(simulator("chat-v1"), name="v1-gpu")
     add_worker(simulator("chat-v2"), name="v2-gpu")
     create_alias(router, "chat", {"chat-v1": 100})
-    plan = create_plan(
-        router, alias="chat", to_target="chat-v2",
-        steps=[{"weight": 20, "hold_seconds": 300}, {"weight": 100, "hold_seconds": 300}],
-        gates={"max_error_rate": 1, "max_ttft_p95_ratio": 50, "min_requests": 1},
-    )  # fmt: skip
-    wait_for_state(router, plan["id"], {"running"})
+    plan = running_healthy_plan(router)
     from_server: list[str | bytes] = []
     feeds: list[WebSocketRoute] = []
 
@@ -120,13 +111,27 @@ def test_a_pressed_button_keeps_its_click_when_the_live_feed_replaces_its_panel(
     operator.mouse.up()
     expect(operator.get_by_test_id("message")).to_have_text(f"Rollout #{plan['id']} is paused.")
     expect(operator.get_by_test_id("plan-state")).to_have_text("paused")
+    shot(operator, "console-rollout-paused-mid-update.png")
+
+
+def running_healthy_plan(router: RouterServer) -> dict[str, Any]:
+    """A plan from chat-v1 to chat-v2 whose gates pass, holding its first step for minutes
+    (the alias exists), once Celery has started it."""
+    plan = create_plan(
+        router, alias="chat", to_target="chat-v2",
+        steps=[{"weight": 20, "hold_seconds": 300}, {"weight": 100, "hold_seconds": 300}],
+        gates={"max_error_rate": 1, "max_ttft_p95_ratio": 50, "min_requests": 1},
+    )  # fmt: skip
+    wait_for_state(router, plan["id"], {"running"})
+    return plan
 
 
 def until(page: Page, condition: Callable[[], bool]) -> None:
-    """Wait for a condition that Playwright's callbacks make true: they run only while the
-    page is waited on, never during a plain sleep."""
-    for _ in range(600):  # a ceiling of 30 s
-        if condition():
-            return
+    """wait_until for a condition that Playwright's callbacks make true: they run only while
+    the page is waited on, never during wait_until's plain sleep."""
+
+    def after_a_wait_on_the_page() -> bool:
         page.wait_for_timeout(50)
-    raise AssertionError("condition not met within 30 s")
+        return condition()
+
+    wait_until(after_a_wait_on_the_page, interval=0)
